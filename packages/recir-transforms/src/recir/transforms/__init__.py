@@ -1,0 +1,118 @@
+"""recir.transforms: the IR (StepGraph), its verifier, and the transform framework. Needs torch only."""
+
+from ._compiled import CompiledStep as CompiledStep
+from ._errors import (
+    CaptureError as CaptureError,
+)
+from ._errors import (
+    ConfigError as ConfigError,
+)
+from ._errors import (
+    DataError as DataError,
+)
+from ._errors import (
+    LoweringError as LoweringError,
+)
+from ._errors import (
+    RecIRError as RecIRError,
+)
+from ._errors import (
+    VerificationError as VerificationError,
+)
+from ._override import (
+    Override as Override,
+)
+from ._override import (
+    apply_overrides as apply_overrides,
+)
+from ._override import (
+    override_for_op as override_for_op,
+)
+from ._override import (
+    register_override as register_override,
+)
+from ._override import (
+    register_override_op as register_override_op,
+)
+from ._override import (
+    registered_overrides as registered_overrides,
+)
+from ._signature import (
+    BatchSlot as BatchSlot,
+)
+from ._signature import (
+    OutputSlot as OutputSlot,
+)
+from ._signature import (
+    Signature as Signature,
+)
+from ._signature import (
+    StateSlot as StateSlot,
+)
+from ._step import (
+    OVERRIDE_KEY as OVERRIDE_KEY,
+)
+from ._step import (
+    PHASE_KEY as PHASE_KEY,
+)
+from ._step import (
+    PHASES as PHASES,
+)
+from ._step import (
+    PROVENANCE_KEY as PROVENANCE_KEY,
+)
+from ._step import (
+    REGION_KEY as REGION_KEY,
+)
+from ._step import (
+    SHARDING_KEY as SHARDING_KEY,
+)
+from ._step import (
+    SlotInitializer as SlotInitializer,
+)
+from ._step import (
+    StepGraph as StepGraph,
+)
+from ._step import (
+    format_node as format_node,
+)
+from ._step import (
+    param_buffer_initializer as param_buffer_initializer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # the IR
+    "StepGraph",
+    "Signature",
+    "StateSlot",
+    "BatchSlot",
+    "OutputSlot",
+    "SlotInitializer",
+    "param_buffer_initializer",
+    "format_node",
+    # node metadata keys
+    "PHASE_KEY",
+    "PHASES",
+    "REGION_KEY",
+    "SHARDING_KEY",
+    "OVERRIDE_KEY",
+    "PROVENANCE_KEY",
+    # overrides
+    "Override",
+    "register_override",
+    "register_override_op",
+    "registered_overrides",
+    "override_for_op",
+    "apply_overrides",
+    # lowering protocol
+    "CompiledStep",
+    # errors
+    "RecIRError",
+    "VerificationError",
+    "CaptureError",
+    "LoweringError",
+    "ConfigError",
+    "DataError",
+]

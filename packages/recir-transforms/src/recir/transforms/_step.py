@@ -1,0 +1,188 @@
+"""StepGraph: a pure training step ``(state..., batch...) -> (new_state..., outputs...)`` as a torch.fx graph.
+
+It is also the reference interpreter: ``new_state, outputs = step(state, batch)`` runs the graph eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ._errors import ConfigError
+from ._signature import Signature, StateSlot
+
+PHASE_KEY = "recir.phase"
+REGION_KEY = "recir.region"
+SHARDING_KEY = "recir.sharding"
+OVERRIDE_KEY = "recir.override"
+PROVENANCE_KEY = "recir.provenance"
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+#: Resolves the initial value of one state slot from a live model and optimizer, or returns None
+#: when it does not know the slot (the next initializer is then asked).
+SlotInitializer = Callable[[StateSlot, nn.Module, "torch.optim.Optimizer | None"], "torch.Tensor | None"]
+
+
+def param_buffer_initializer(
+    slot: StateSlot, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> torch.Tensor | None:
+    """The default initializer: ``param:<path>`` and ``buffer:<path>`` slots read the live module."""
+    del optimizer
+    if slot.kind == "param" and slot.name.startswith("param:"):
+        return model.get_parameter(slot.name.removeprefix("param:")).detach().clone()
+    if slot.kind == "buffer" and slot.name.startswith("buffer:"):
+        return model.get_buffer(slot.name.removeprefix("buffer:")).detach().clone()
+    return None
+
+
+@dataclasses.dataclass
+class StepGraph:
+    """A functional ``torch.fx.GraphModule`` with an explicit :class:`Signature`.
+
+    Placeholders are exactly ``signature.state + signature.batch`` in order; the output is one flat
+    tuple ``new_state + outputs`` (INV-3). Node metadata carries ``val`` and ``recir.*`` keys.
+    """
+
+    graph_module: fx.GraphModule
+    signature: Signature
+    dynamic: bool = False
+    initializers: tuple[SlotInitializer, ...] = ()
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # -- construction ---------------------------------------------------------------------------
+    def replace(self, **changes: Any) -> StepGraph:
+        """A copy with some fields changed (``meta`` is copied shallowly)."""
+        changes.setdefault("meta", dict(self.meta))
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    # -- running (the reference interpreter) ----------------------------------------------------
+    def __call__(self, state: Sequence[torch.Tensor], batch: Any) -> tuple[list[torch.Tensor], Any]:
+        """Run one step eagerly. Returns ``(new_state, outputs)``; outputs is a tuple, the loss first."""
+        n = len(self.signature.state)
+        if len(state) != n:
+            raise ConfigError(
+                f"step expects {n} state tensors (signature order), got {len(state)}. "
+                "Fix: build state with step.init_state(model, optimizer)."
+            )
+        flat_batch = self.signature.flatten_batch(batch)
+        out = self.graph_module(*state, *flat_batch)
+        out = list(out) if isinstance(out, (tuple, list)) else [out]
+        return out[:n], self.unflatten_outputs(out[n:])
+
+    def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
+        if self.signature.output_spec is not None:
+            return pytree.tree_unflatten(list(flat), self.signature.output_spec)
+        return tuple(flat)
+
+    # -- state ------------------------------------------------------------------------------------
+    def init_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> list[torch.Tensor]:
+        """The flat state list (signature order) from a live model and optimizer; never aliases them."""
+        chain = (*self.initializers, param_buffer_initializer)
+        state: list[torch.Tensor] = []
+        for slot in self.signature.state:
+            value = None
+            for init in chain:
+                value = init(slot, model, optimizer)
+                if value is not None:
+                    break
+            if value is None:
+                raise ConfigError(
+                    f"no initializer knows state slot {slot.name!r} ({slot.kind}). "
+                    "Fix: pass the model and optimizer the step was captured from, or add a SlotInitializer."
+                )
+            if tuple(value.shape) != slot.shape or value.dtype != slot.dtype:
+                raise ConfigError(
+                    f"state slot {slot.name!r}: expected {slot.dtype}{list(slot.shape)}, "
+                    f"the model/optimizer gives {value.dtype}{list(value.shape)}"
+                )
+            state.append(value)
+        return state
+
+    def state_dict(self, state: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Map a flat state list back to slot names."""
+        if len(state) != len(self.signature.state):
+            raise ConfigError(f"expected {len(self.signature.state)} state tensors, got {len(state)}")
+        return {slot.name: t for slot, t in zip(self.signature.state, state)}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The flat state list from a name -> tensor mapping (strict: every slot, no extras)."""
+        names = self.signature.state_names()
+        missing = [n for n in names if n not in state_dict]
+        extra = [k for k in state_dict if k not in set(names)]
+        if missing or extra:
+            raise ConfigError(
+                f"state_dict does not match the signature: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
+            )
+        out = []
+        for slot in self.signature.state:
+            t = state_dict[slot.name]
+            if tuple(t.shape) != slot.shape:
+                raise ConfigError(
+                    f"state {slot.name!r}: expected shape {list(slot.shape)}, got {list(t.shape)}"
+                )
+            out.append(t.to(slot.dtype))
+        return out
+
+    # -- inspection -------------------------------------------------------------------------------
+    def phase_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(PHASES, 0)
+        for node in self.graph.nodes:
+            phase = node.meta.get(PHASE_KEY)
+            if phase in counts:
+                counts[phase] += 1
+        return counts
+
+    def format_graph(self, max_nodes: int | None = None) -> str:
+        """A compact listing: one line per node, ``%name = target(args)  # phase``."""
+        return "\n".join(
+            format_node(n) for i, n in enumerate(self.graph.nodes) if max_nodes is None or i < max_nodes
+        )
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{k} {v}" for k, v in self.phase_counts().items())
+        head = f"StepGraph({len(self.graph.nodes)} nodes: {counts}{', dynamic' if self.dynamic else ''})"
+        return f"{head}\n{self.signature}\ngraph:\n{self.format_graph()}"
+
+    __repr__ = __str__
+
+
+def _fmt_arg(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return f"%{a.name}"
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt_arg(x) for x in a)
+        return f"[{inner}]"
+    return repr(a)
+
+
+def format_node(node: fx.Node) -> str:
+    """One readable line for a node (used by printing, dumps and error windows)."""
+    phase = node.meta.get(PHASE_KEY)
+    suffix = f"  # {phase}" if phase else ""
+    if node.op == "placeholder":
+        return f"%{node.name} = input{suffix}"
+    if node.op == "output":
+        return f"return {_fmt_arg(node.args[0])}"
+    target = node.target
+    tname = getattr(target, "__name__", None) or str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        tname = f"{target.namespace}.{target._schema.name.split('::')[-1]}" + (
+            f".{target._overloadname}" if target._overloadname != "default" else ""
+        )
+    args = ", ".join(
+        [_fmt_arg(a) for a in node.args] + [f"{k}={_fmt_arg(v)}" for k, v in node.kwargs.items()]
+    )
+    return f"%{node.name} = {tname}({args}){suffix}"
