@@ -79,6 +79,26 @@ from ._step import (
 from ._step import (
     param_buffer_initializer as param_buffer_initializer,
 )
+from ._transform import (
+    NoOptions as NoOptions,
+)
+from ._transform import (
+    Transform as Transform,
+)
+from ._transform import (
+    TransformResult as TransformResult,
+)
+from ._transform import (
+    get_transform as get_transform,
+)
+from ._transform import (
+    register_transform as register_transform,
+)
+from ._transform import (
+    registered_transforms as registered_transforms,
+)
+from ._verify import verify as verify
+from ._verify import verify_level as verify_level
 
 __version__ = "0.1.0"
 
@@ -99,6 +119,15 @@ __all__ = [
     "SHARDING_KEY",
     "OVERRIDE_KEY",
     "PROVENANCE_KEY",
+    # transforms and verification
+    "Transform",
+    "TransformResult",
+    "NoOptions",
+    "register_transform",
+    "get_transform",
+    "registered_transforms",
+    "verify",
+    "verify_level",
     # overrides
     "Override",
     "register_override",
