@@ -19,6 +19,15 @@ from ._errors import (
 from ._errors import (
     VerificationError as VerificationError,
 )
+from ._ops import (
+    bag_segment_ids as bag_segment_ids,
+)
+from ._ops import (
+    embedding_bag as embedding_bag,
+)
+from ._ops import (
+    embedding_bag_reference as embedding_bag_reference,
+)
 from ._override import (
     Override as Override,
 )
@@ -135,6 +144,10 @@ __all__ = [
     "registered_overrides",
     "override_for_op",
     "apply_overrides",
+    # core recir::* ops
+    "embedding_bag",
+    "embedding_bag_reference",
+    "bag_segment_ids",
     # lowering protocol
     "CompiledStep",
     # errors
