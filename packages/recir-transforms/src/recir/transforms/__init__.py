@@ -106,6 +106,10 @@ from ._transform import (
 from ._transform import (
     registered_transforms as registered_transforms,
 )
+from ._verify import INVARIANTS as INVARIANTS
+from ._verify import format_val as format_val
+from ._verify import format_window as format_window
+from ._verify import register_graph_namespace as register_graph_namespace
 from ._verify import verify as verify
 from ._verify import verify_level as verify_level
 
@@ -135,8 +139,13 @@ __all__ = [
     "register_transform",
     "get_transform",
     "registered_transforms",
+    # verification
     "verify",
     "verify_level",
+    "INVARIANTS",
+    "register_graph_namespace",
+    "format_window",
+    "format_val",
     # overrides
     "Override",
     "register_override",

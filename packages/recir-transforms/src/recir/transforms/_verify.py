@@ -1,17 +1,49 @@
-"""The verifier: checks a StepGraph against the invariants in INVARIANTS.md (INV-1..INV-7).
+"""The verifier: checks a StepGraph against the invariants INV-1..INV-7 documented in INVARIANTS.md.
 
-(Skeleton: the full checks land with the transform framework.)
+Each violation raises ``VerificationError`` naming the invariant id, the transform, the node, expected
+versus actual, the fix, and a window of the graph around the node.
 """
 
 from __future__ import annotations
 
+import operator
 import os
+from typing import Any, NoReturn
 
-from ._step import StepGraph
+import torch
+import torch.fx as fx
+
+from ._errors import VerificationError
+from ._override import override_for_op
+from ._step import OVERRIDE_KEY, PHASE_KEY, PHASES, StepGraph, format_node
+
+#: Invariant id -> one-line statement (INVARIANTS.md explains why each exists and what breaks it).
+INVARIANTS: dict[str, str] = {
+    "INV-1": "the graph lints; nodes are placeholder/call_function/output only (no call_module, "
+    "call_method, or get_attr of a tensor)",
+    "INV-2": "functional: no mutating op, and no output aliases a state or batch input or another output",
+    "INV-3": "placeholders are exactly state + batch in signature order; the output is exactly "
+    "new_state + outputs, with matching shapes and dtypes",
+    "INV-4": "every new-state output has the shape and dtype of its state slot",
+    "INV-5": "every compute node has `val` and `recir.phase`; phases only flow forward -> backward -> optimizer",
+    "INV-6": "opaque ops are only registered overrides (recir::* with a fake impl) and functional collectives",
+    "INV-7": "static shapes (no SymInt in any `val`) unless the StepGraph is marked dynamic",
+}
+
+#: Op namespaces whose ops are ordinary graph ops (not opaque): ATen/prims, and the functional
+#: collectives recir-distributed inserts. Extend with :func:`register_graph_namespace`.
+_GRAPH_NAMESPACES: set[str] = {"aten", "prims", "_c10d_functional", "_c10d_functional_autograd"}
+# Views that return their input unchanged: a frozen slot may be returned through them.
+_IDENTITY_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def register_graph_namespace(namespace: str) -> None:
+    """Accept every op of ``torch.ops.<namespace>`` as an ordinary (non-opaque) graph op under INV-6."""
+    _GRAPH_NAMESPACES.add(namespace)
 
 
 def verify_level() -> int:
-    """The verification level from ``RECIR_VERIFY`` (0 off, 1 phase boundaries (default), 2 every transform)."""
+    """The verification level from ``RECIR_VERIFY``: 0 off, 1 phase boundaries (default), 2 every transform."""
     raw = os.environ.get("RECIR_VERIFY", "1")
     try:
         level = int(raw)
@@ -20,8 +52,427 @@ def verify_level() -> int:
     return max(0, min(2, level))
 
 
-def verify(step: StepGraph, *, transform: str | None = None) -> StepGraph:
-    """Check every invariant; raise VerificationError naming the invariant id. Returns ``step``."""
-    del transform
-    step.graph_module.graph.lint()
+def verify(step: StepGraph, *, level: int | None = None, transform: str | None = None) -> StepGraph:
+    """Check every invariant of INVARIANTS.md and return ``step``; raise ``VerificationError`` on a violation.
+
+    ``level`` defaults to :func:`verify_level` (``RECIR_VERIFY``); at level 0 nothing is checked.
+    ``transform`` names the transform that produced ``step`` (it appears in the error).
+    """
+    if (verify_level() if level is None else level) <= 0:
+        return step
+    _Checker(step, transform).run()
     return step
+
+
+# -- formatting --------------------------------------------------------------------------------------
+def format_val(val: Any) -> str:
+    """``float32[4, 8]`` for a tensor, a tuple of those for multi-output nodes, ``str`` otherwise."""
+    if isinstance(val, torch.Tensor):
+        dims = ", ".join(str(s) for s in val.shape)
+        return f"{str(val.dtype).removeprefix('torch.')}[{dims}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(format_val(v) for v in val) + ")"
+    return repr(val)
+
+
+def format_window(graph: fx.Graph, node: fx.Node | None, radius: int = 6) -> str:
+    """The graph's lines around ``node`` (marked ``>>>``), with elision marks; the head if node is None."""
+    nodes = list(graph.nodes)
+    idx = nodes.index(node) if node is not None and node in nodes else 0
+    lo, hi = max(0, idx - radius), min(len(nodes), idx + radius + 1)
+    lines = [
+        f"graph around {'%' + node.name if node is not None else 'the start'} "
+        f"(nodes {lo}-{hi - 1} of {len(nodes)}):"
+    ]
+    if lo > 0:
+        lines.append("      ...")
+    for i in range(lo, hi):
+        mark = ">>> " if node is not None and nodes[i] is node else "    "
+        lines.append(f"  {mark}{format_node(nodes[i])}")
+    if hi < len(nodes):
+        lines.append("      ...")
+    return "\n".join(lines)
+
+
+# -- the checks --------------------------------------------------------------------------------------
+class _Checker:
+    def __init__(self, step: StepGraph, transform: str | None) -> None:
+        self.step = step
+        self.graph = step.graph
+        self.transform = transform
+
+    def fail(
+        self,
+        inv: str,
+        what: str,
+        node: fx.Node | None = None,
+        *,
+        expected: str | None = None,
+        actual: str | None = None,
+        fix: str | None = None,
+    ) -> NoReturn:
+        lines = [f"{inv} violated: {what}", f"  invariant: {INVARIANTS[inv]}"]
+        lines.append(f"  transform: {self.transform or '(none: the graph as given to verify)'}")
+        if node is not None:
+            lines.append(f"  node: %{node.name}  ({format_node(node)})")
+        if expected is not None:
+            lines.append(f"  expected: {expected}")
+        if actual is not None:
+            lines.append(f"  actual:   {actual}")
+        if fix:
+            lines.append(f"  fix: {fix}")
+        lines.append(f"  (see packages/recir-transforms/INVARIANTS.md, {inv})")
+        lines.append(format_window(self.graph, node))
+        raise VerificationError(
+            "\n".join(lines), invariant=inv, transform=self.transform, node=node.name if node else None
+        )
+
+    def run(self) -> None:
+        self.check_structure()  # INV-1
+        self.check_static()  # INV-7
+        self.check_signature()  # INV-3
+        self.check_metadata()  # INV-5 (presence)
+        self.check_ops()  # INV-6, INV-2 (mutation)
+        self.check_aliasing()  # INV-2 (aliasing outputs)
+        self.check_state_outputs()  # INV-4
+        self.check_phase_flow()  # INV-5 (flow)
+
+    # INV-1
+    def check_structure(self) -> None:
+        try:
+            self.graph.lint()
+        except Exception as exc:  # fx raises RuntimeError with its own message
+            self.fail("INV-1", f"torch.fx Graph.lint failed: {exc}", fix="rebuild the graph with valid edges")
+        for node in self.graph.nodes:
+            if node.op in ("call_module", "call_method"):
+                self.fail(
+                    "INV-1",
+                    f"a {node.op} node ({node.target!r}) in a StepGraph",
+                    node,
+                    expected="call_function of an OpOverload",
+                    actual=node.op,
+                    fix="trace with make_fx so modules and methods become aten ops",
+                )
+            if node.op == "get_attr":
+                obj = _resolve_attr(self.step.graph_module, str(node.target))
+                if isinstance(obj, torch.Tensor):
+                    self.fail(
+                        "INV-1",
+                        f"get_attr of a tensor constant {node.target!r}: hidden state outside the signature",
+                        node,
+                        fix="lift the tensor into a state slot or a batch slot, or build it with an op "
+                        "(torch.full/arange) inside the graph",
+                    )
+
+    # INV-3
+    def check_signature(self) -> None:
+        sig = self.step.signature
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        slots = [*sig.state, *sig.batch]
+        if len(placeholders) != len(slots):
+            self.fail(
+                "INV-3",
+                "the number of placeholders differs from the signature",
+                placeholders[len(slots)] if len(placeholders) > len(slots) else None,
+                expected=f"{len(sig.state)} state + {len(sig.batch)} batch = {len(slots)} placeholders",
+                actual=f"{len(placeholders)} placeholders",
+                fix="add/remove the slot in the Signature together with the placeholder",
+            )
+        nodes = list(self.graph.nodes)
+        first_other = next((i for i, n in enumerate(nodes) if n.op != "placeholder"), len(nodes))
+        if any(n.op == "placeholder" for n in nodes[first_other:]):
+            bad = next(n for n in nodes[first_other:] if n.op == "placeholder")
+            self.fail("INV-3", "a placeholder after a compute node", bad, fix="insert placeholders first")
+        for ph, slot in zip(placeholders, slots):
+            self._check_val_matches(
+                ph, slot.shape, slot.dtype, "INV-3", f"placeholder for slot {slot.name!r}"
+            )
+        outputs = [n for n in self.graph.nodes if n.op == "output"]
+        if len(outputs) != 1:
+            self.fail("INV-3", f"the graph has {len(outputs)} output nodes", None, expected="exactly one")
+        out = outputs[0]
+        flat = out.args[0]
+        n_out = len(sig.state) + len(sig.outputs)
+        if not isinstance(flat, (tuple, list)) or len(flat) != n_out:
+            self.fail(
+                "INV-3",
+                "the output is not one flat tuple new_state + outputs",
+                out,
+                expected=f"a tuple of {len(sig.state)} new state + {len(sig.outputs)} outputs = {n_out}",
+                actual=f"{type(flat).__name__} of {len(flat) if isinstance(flat, (tuple, list)) else '?'}",
+            )
+        for i, value in enumerate(flat):
+            if not isinstance(value, fx.Node):
+                self.fail("INV-3", f"output {i} is a constant {value!r}, not a node", out)
+        for slot, value in zip(sig.outputs, flat[len(sig.state) :]):
+            self._check_val_matches(value, slot.shape, slot.dtype, "INV-3", f"user output {slot.name!r}")
+
+    def _check_val_matches(
+        self, node: fx.Node, shape: tuple[int, ...], dtype: torch.dtype, inv: str, what: str
+    ) -> None:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            self.fail(
+                inv,
+                f"{what}: the node has no tensor `val`",
+                node,
+                expected=f"{dtype}{list(shape)}",
+                actual=format_val(val),
+                fix="set node.meta['val'] to a FakeTensor",
+            )
+        if any(isinstance(s, torch.SymInt) for s in val.shape) and self.step.dynamic:
+            return
+        if tuple(val.shape) != tuple(shape) or val.dtype != dtype:
+            exp = f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
+            self.fail(
+                inv,
+                f"{what}: shape/dtype differs from the signature",
+                node,
+                expected=exp,
+                actual=format_val(val),
+                fix="keep the graph and the Signature in step",
+            )
+
+    # INV-7
+    def check_static(self) -> None:
+        if self.step.dynamic:
+            return
+        for node in self.graph.nodes:
+            if node.op != "output" and _has_symint(node.meta.get("val")):
+                self.fail(
+                    "INV-7",
+                    "a symbolic shape in a static StepGraph",
+                    node,
+                    expected="concrete sizes",
+                    actual=format_val(node.meta.get("val")),
+                    fix="capture with mode='static' (pad/bucket) or mark the StepGraph dynamic=True",
+                )
+
+    # INV-5 (presence)
+    def check_metadata(self) -> None:
+        for node in self.graph.nodes:
+            if node.op == "call_function":
+                if "val" not in node.meta:
+                    self.fail(
+                        "INV-5",
+                        "a compute node without `val`",
+                        node,
+                        expected="a FakeTensor in meta['val']",
+                        actual="missing",
+                        fix="create nodes by tracing (Region.replace) or copy `val`",
+                    )
+                phase = node.meta.get(PHASE_KEY)
+                if phase not in PHASES:
+                    self.fail(
+                        "INV-5",
+                        f"a compute node without a valid {PHASE_KEY}",
+                        node,
+                        expected=f"one of {PHASES}",
+                        actual=repr(phase),
+                        fix=f"set node.meta[{PHASE_KEY!r}] when creating the node",
+                    )
+
+    # INV-6 and INV-2 (mutation)
+    def check_ops(self) -> None:
+        for node in self.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload):
+                schema = target._schema
+                if schema.is_mutable:
+                    self.fail(
+                        "INV-2",
+                        f"a mutating op {schema.name}",
+                        node,
+                        expected="a functional op",
+                        actual=str(schema),
+                        fix="use the out-of-place variant (add instead of add_) or functionalize",
+                    )
+                ns = target.namespace
+                if ns in _GRAPH_NAMESPACES:
+                    continue
+                if ns == "recir":
+                    self._check_override_op(node, target)
+                    continue
+                self.fail(
+                    "INV-6",
+                    f"an opaque op {schema.name} from namespace {ns!r}",
+                    node,
+                    expected=f"an op of {sorted(_GRAPH_NAMESPACES)} or a registered recir::* override",
+                    actual=schema.name,
+                    fix="decompose it to ATen, or register it with register_override_op and a fake impl",
+                )
+            elif target is operator.getitem or self.step.dynamic and _is_sym_function(target):
+                continue
+            else:
+                name = getattr(target, "__qualname__", None) or repr(target)
+                self.fail(
+                    "INV-6",
+                    f"call_function of a Python callable {name}",
+                    node,
+                    expected="an OpOverload (torch.ops.<ns>.<op>.<overload>)",
+                    actual=name,
+                    fix="trace with make_fx (aten ops), or wrap it in a registered recir::* custom op",
+                )
+
+    def _check_override_op(self, node: fx.Node, op: torch._ops.OpOverload) -> None:
+        qualname = op._schema.name
+        owner = override_for_op(op)
+        if owner is None:
+            self.fail(
+                "INV-6",
+                f"recir op {qualname} is not a registered override op",
+                node,
+                fix=f"call register_override_op({qualname!r}, '<override name>')",
+            )
+        if not _has_fake_impl(qualname):
+            self.fail(
+                "INV-6",
+                f"recir op {qualname} has no fake implementation",
+                node,
+                fix="add @<op>.register_fake so it traces with FakeTensors",
+            )
+        if node.meta.get(OVERRIDE_KEY) != owner:
+            self.fail(
+                "INV-6",
+                f"a {qualname} node without its {OVERRIDE_KEY} metadata",
+                node,
+                expected=repr(owner),
+                actual=repr(node.meta.get(OVERRIDE_KEY)),
+                fix=f"set node.meta[{OVERRIDE_KEY!r}] = override_for_op(node.target)",
+            )
+
+    # INV-2 (aliasing)
+    def check_aliasing(self) -> None:
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        n_state = len(self.step.signature.state)
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        flat = list(out.args[0])
+        bases: dict[fx.Node, int] = {}
+        for i, value in enumerate(flat):
+            base, identity = _alias_base(value)
+            kind = (
+                f"new-state output {i} ({self.step.signature.state[i].name})"
+                if i < n_state
+                else (f"user output {i - n_state}")
+            )
+            if base.op == "placeholder":
+                j = placeholders.index(base)
+                if i < n_state and j == i and identity:
+                    continue  # a slot returned unchanged (frozen parameter, unused buffer)
+                if i >= n_state and j >= n_state:
+                    continue  # a batch tensor returned as a user output
+                self.fail(
+                    "INV-2",
+                    f"{kind} aliases input {j} (%{base.name})",
+                    value,
+                    expected="a fresh tensor (or the same slot's input returned unchanged)",
+                    actual=f"a view of %{base.name}",
+                    fix="return a copy (aten.clone) or compute a new value; state is updated in place",
+                )
+            if base in bases and (i < n_state or bases[base] < n_state):
+                self.fail(
+                    "INV-2",
+                    f"{kind} aliases output {bases[base]} (both are %{base.name} or views of it)",
+                    value,
+                    expected="distinct buffers for state outputs",
+                    fix="return a clone for one of them; donated buffers must be distinct",
+                )
+            bases.setdefault(base, i)
+
+    # INV-4
+    def check_state_outputs(self) -> None:
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        for slot, value in zip(self.step.signature.state, out.args[0]):
+            self._check_val_matches(value, slot.shape, slot.dtype, "INV-4", f"new state for {slot.name!r}")
+
+    # INV-5 (flow)
+    def check_phase_flow(self) -> None:
+        rank = {p: i for i, p in enumerate(PHASES)}
+        for node in self.graph.nodes:
+            if node.op != "call_function":
+                continue
+            mine = rank[node.meta[PHASE_KEY]]
+            for inp in node.all_input_nodes:
+                theirs = inp.meta.get(PHASE_KEY)
+                if inp.op == "call_function" and rank[theirs] > mine:
+                    self.fail(
+                        "INV-5",
+                        f"a {node.meta[PHASE_KEY]} node reads %{inp.name} of the later phase {theirs}",
+                        node,
+                        expected=f"inputs of phase <= {node.meta[PHASE_KEY]}",
+                        actual=f"%{inp.name} is {theirs}",
+                        fix="tag the node with the later phase, or move the computation earlier",
+                    )
+
+
+def _resolve_attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _has_symint(val: Any) -> bool:
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(val, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in val.shape)
+    if isinstance(val, (tuple, list)):
+        return any(_has_symint(v) for v in val)
+    return False
+
+
+def _is_sym_function(target: Any) -> bool:
+    module = getattr(target, "__module__", "") or ""
+    return module in ("_operator", "operator", "math") or getattr(target, "__name__", "").startswith("sym_")
+
+
+def _has_fake_impl(qualname: str) -> bool:
+    from torch._library.simple_registry import singleton
+
+    entry = singleton.find(qualname)
+    if entry.fake_impl.kernel is not None:
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta")
+
+
+def _alias_base(node: fx.Node) -> tuple[fx.Node, bool]:
+    """Follow view ops back to the tensor ``node`` aliases; also whether every view was an identity view."""
+    identity = True
+    while node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and isinstance(node.args[0], fx.Node):
+            parent = node.args[0]
+            if isinstance(parent.target, torch._ops.OpOverload) and _view_source(parent) is not None:
+                node, identity = parent, False
+                continue
+            return node, identity
+        if not isinstance(target, torch._ops.OpOverload):
+            return node, identity
+        src = _view_source(node)
+        if src is None:
+            return node, identity
+        identity = identity and target in _IDENTITY_VIEWS
+        node = src
+    return node, identity
+
+
+def _view_source(node: fx.Node) -> fx.Node | None:
+    """The argument a view op's result aliases (alias annotation without write), else None."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    ret_sets: set[str] = set()
+    for ret in schema.returns:
+        if ret.alias_info is not None and not ret.alias_info.is_write:
+            ret_sets |= set(ret.alias_info.before_set)
+    if not ret_sets:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not (set(info.before_set) & ret_sets):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            return value
+    return None
