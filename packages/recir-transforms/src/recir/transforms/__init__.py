@@ -46,6 +46,11 @@ from ._override import (
 from ._override import (
     registered_overrides as registered_overrides,
 )
+from ._pipeline import Pipeline as Pipeline
+from ._pipeline import TransformRecord as TransformRecord
+from ._pipeline import format_transform as format_transform
+from ._pipeline import parse_pipeline as parse_pipeline
+from ._pipeline import parse_transform as parse_transform
 from ._signature import (
     BatchSlot as BatchSlot,
 )
@@ -139,6 +144,12 @@ __all__ = [
     "register_transform",
     "get_transform",
     "registered_transforms",
+    # pipelines
+    "Pipeline",
+    "TransformRecord",
+    "parse_pipeline",
+    "parse_transform",
+    "format_transform",
     # verification
     "verify",
     "verify_level",

@@ -1,0 +1,333 @@
+"""Pipeline: runs transforms in order with verification, timings, provenance, dumps and bisection switches.
+
+Textual pipelines (``"recir-cleanup-dce,recir-cleanup-cse"``) come from :func:`parse_pipeline`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.fx as fx
+
+from ._errors import ConfigError
+from ._step import PROVENANCE_KEY, StepGraph
+from ._transform import Transform
+from ._verify import format_val, verify, verify_level
+
+_SKIP_META = (PROVENANCE_KEY, "stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
+
+
+@dataclasses.dataclass
+class TransformRecord:
+    """What one transform did inside a pipeline run."""
+
+    position: int
+    name: str
+    status: str  # "changed" | "unchanged" | "disabled"
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    added: int = 0
+    removed: int = 0
+    modified: int = 0
+    stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _node_signature(node: fx.Node) -> tuple[Any, ...]:
+    """What identifies a node's computation: op, target, argument names and its recir.* metadata."""
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("%", a.name)
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        return repr(a)
+
+    meta = tuple(
+        sorted((k, repr(v)) for k, v in node.meta.items() if k.startswith("recir.") and k not in _SKIP_META)
+    )
+    kwargs = tuple(sorted((k, arg(v)) for k, v in node.kwargs.items()))
+    return (node.op, str(node.target), arg(node.args), kwargs, meta, format_val(node.meta.get("val")))
+
+
+def snapshot(step: StepGraph) -> dict[str, tuple[Any, ...]]:
+    """Node name -> signature, to diff a graph before and after a transform."""
+    return {n.name: _node_signature(n) for n in step.graph.nodes}
+
+
+def stamp_provenance(
+    step: StepGraph, before: Mapping[str, tuple[Any, ...]], name: str
+) -> tuple[int, int, int]:
+    """Append ``name`` to ``recir.provenance`` of nodes created or changed since ``before``.
+
+    Returns (added, removed, modified) node counts.
+    """
+    added = modified = 0
+    seen = set()
+    for node in step.graph.nodes:
+        seen.add(node.name)
+        old = before.get(node.name)
+        if old is not None and old == _node_signature(node):
+            continue
+        if old is None:
+            added += 1
+        else:
+            modified += 1
+        if node.op in ("placeholder", "output"):
+            continue
+        prov = list(node.meta.get(PROVENANCE_KEY, ()))
+        if not prov or prov[-1] != name:
+            prov.append(name)
+        node.meta[PROVENANCE_KEY] = prov
+    removed = sum(1 for n in before if n not in seen)
+    return added, removed, modified
+
+
+def _env_disabled() -> set[str]:
+    return {s.strip() for s in os.environ.get("RECIR_DISABLE", "").split(",") if s.strip()}
+
+
+class Pipeline:
+    """Run ``transforms`` in order: ``step = Pipeline([...]).run(step)``.
+
+    - Verification follows ``RECIR_VERIFY`` (or ``verify_level=``): at 2 the input and the result of
+      every transform are verified, so an error names the transform that broke the graph; at 1 only
+      the final graph; at 0 nothing.
+    - ``disable`` (and env ``RECIR_DISABLE=name,name``) skips transforms by name, to bisect a miscompile.
+    - ``dump_dir`` (or env ``RECIR_DUMP_DIR``) receives ``NNN-<name>.before.txt`` / ``.after.txt``.
+    - ``records`` / :meth:`report` give per-transform wall time, node deltas and stats.
+    """
+
+    def __init__(
+        self,
+        transforms: Sequence[Transform | str] | str,
+        *,
+        disable: Iterable[str] = (),
+        dump_dir: str | os.PathLike[str] | None = None,
+        verify_level: int | None = None,
+        name: str = "pipeline",
+    ) -> None:
+        items: list[Transform] = []
+        for t in [transforms] if isinstance(transforms, str) else transforms:
+            if isinstance(t, str):
+                items.extend(parse_pipeline(t).transforms)
+            elif isinstance(t, Transform):
+                items.append(t)
+            else:
+                raise ConfigError(f"Pipeline: expected a Transform or a pipeline string, got {t!r}")
+        self.transforms: list[Transform] = items
+        self.disable = set(disable)
+        self.dump_dir = dump_dir
+        self.verify_level = verify_level
+        self.name = name
+        self.records: list[TransformRecord] = []
+        self._level_used = 0
+
+    def __str__(self) -> str:
+        return ",".join(format_transform(t) for t in self.transforms)
+
+    def __repr__(self) -> str:
+        return f"Pipeline({str(self)!r})"
+
+    def run(self, step: StepGraph) -> StepGraph:
+        level = verify_level() if self.verify_level is None else self.verify_level
+        self._level_used = level
+        disabled = self.disable | _env_disabled()
+        unknown = disabled - {t.name for t in self.transforms} - set(registered_names())
+        if unknown:
+            raise ConfigError(f"{self.name}: cannot disable unknown transform(s) {sorted(unknown)}")
+        dump = self.dump_dir if self.dump_dir is not None else os.environ.get("RECIR_DUMP_DIR") or None
+        dump_path = Path(dump) if dump else None
+        if dump_path is not None:
+            dump_path.mkdir(parents=True, exist_ok=True)
+        self.records = []
+        if level >= 2:
+            verify(step, level=level, transform=f"(input of {self.name})")
+        for i, transform in enumerate(self.transforms, start=1):
+            if transform.name in disabled:
+                self.records.append(TransformRecord(i, transform.name, "disabled"))
+                continue
+            stem = f"{i:03d}-{transform.name}"
+            if dump_path is not None:
+                _dump(dump_path / f"{stem}.before.txt", step, f"before {transform!r}")
+            before = snapshot(step)
+            t0 = time.perf_counter()
+            try:
+                result = transform(step)
+            except Exception as exc:
+                exc.add_note(
+                    f"while running transform {transform.name} (position {i} of {self.name}: {self})"
+                )
+                raise
+            seconds = time.perf_counter() - t0
+            new = result.step
+            added, removed, modified = stamp_provenance(new, before, transform.name)
+            new.graph_module.recompile()
+            self.records.append(
+                TransformRecord(
+                    i,
+                    transform.name,
+                    "changed" if result.changed else "unchanged",
+                    seconds,
+                    len(before),
+                    len(new.graph.nodes),
+                    added,
+                    removed,
+                    modified,
+                    dict(result.stats),
+                )
+            )
+            if dump_path is not None:
+                _dump(dump_path / f"{stem}.after.txt", new, f"after {transform!r}: {self.records[-1].stats}")
+            if level >= 2:
+                verify(new, level=level, transform=transform.name)
+            step = new
+        if level == 1:
+            verify(
+                step,
+                level=1,
+                transform=f"{self.name} [{self}] (RECIR_VERIFY=1 checks the end only; "
+                "rerun with RECIR_VERIFY=2 to name the transform)",
+            )
+        return step
+
+    __call__ = run
+
+    def report(self) -> str:
+        """A table: one row per transform with status, wall time, node counts and stats."""
+        rows = [("#", "transform", "status", "ms", "nodes", "+add", "-del", "~mod", "stats")]
+        for r in self.records:
+            if r.status == "disabled":
+                rows.append((str(r.position), r.name, "disabled", "", "", "", "", "", ""))
+                continue
+            stats = ", ".join(f"{k}={v}" for k, v in r.stats.items())
+            rows.append(
+                (
+                    str(r.position),
+                    r.name,
+                    r.status,
+                    f"{r.seconds * 1e3:.1f}",
+                    f"{r.nodes_before}->{r.nodes_after}",
+                    str(r.added),
+                    str(r.removed),
+                    str(r.modified),
+                    stats,
+                )
+            )
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
+        lines = [f"{self.name}: {self} (RECIR_VERIFY={self._level_used})"]
+        for row in rows:
+            cells = [
+                row[c].ljust(widths[c]) if c < 2 or c == 2 else row[c].rjust(widths[c])
+                for c in range(len(widths))
+            ]
+            lines.append("  ".join(cells + [row[-1]]).rstrip())
+        total = sum(r.seconds for r in self.records)
+        lines.append(f"total {total * 1e3:.1f} ms over {len(self.records)} transforms")
+        return "\n".join(lines)
+
+
+def _dump(path: Path, step: StepGraph, header: str) -> None:
+    path.write_text(f"# {header}\n# {step.phase_counts()}\n{step.format_graph()}\n")
+
+
+def registered_names() -> list[str]:
+    from ._transform import registered_transforms
+
+    return sorted(registered_transforms())
+
+
+# -- textual pipelines -------------------------------------------------------------------------------
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_value(raw: str) -> Any:
+    import ast
+
+    low = raw.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        return raw.strip()
+    return tuple(value) if isinstance(value, list) else value
+
+
+def parse_transform(text: str) -> Transform:
+    """``name`` or ``name{key=value,key=value}`` -> a transform instance (values: ints, floats,
+    true/false, none, quoted or bare strings, [lists] as tuples)."""
+    from ._transform import get_transform
+
+    text = text.strip()
+    name, opts = text, ""
+    if "{" in text:
+        if not text.endswith("}"):
+            raise ConfigError(f"malformed transform {text!r}: expected 'name{{key=value,...}}'")
+        name, opts = text[: text.index("{")].strip(), text[text.index("{") + 1 : -1]
+    cls = get_transform(name)
+    kwargs: dict[str, Any] = {}
+    fields = (
+        {f.name for f in dataclasses.fields(cls.Options)} if dataclasses.is_dataclass(cls.Options) else set()
+    )
+    for item in _split_top(opts):
+        if "=" not in item:
+            raise ConfigError(f"{name}: option {item!r} must be key=value")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if key not in fields:
+            raise ConfigError(f"{name}: unknown option {key!r}; options are {sorted(fields) or 'none'}")
+        kwargs[key] = _parse_value(value)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{name}: bad options {kwargs}: {exc}") from None
+
+
+def format_transform(transform: Transform) -> str:
+    """The textual form of one transform: its name, plus ``{k=v}`` for options that differ from defaults."""
+    opts = transform.options
+    if not dataclasses.is_dataclass(opts):
+        return transform.name
+    try:
+        default = type(opts)()
+    except TypeError:  # options without defaults: show them all
+        default = None
+    changed = [
+        f"{f.name}={_format_value(getattr(opts, f.name))}"
+        for f in dataclasses.fields(opts)
+        if default is None or getattr(opts, f.name) != getattr(default, f.name)
+    ]
+    return f"{transform.name}{{{','.join(changed)}}}" if changed else transform.name
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list, frozenset, set)):
+        return "[" + ",".join(_format_value(v) for v in value) + "]"
+    return repr(value) if isinstance(value, str) and not value.replace("-", "").isidentifier() else str(value)
+
+
+def parse_pipeline(text: str, **pipeline_kwargs: Any) -> Pipeline:
+    """``"recir-cleanup-dce,recir-cleanup-cse{cross_phase=false}"`` -> a :class:`Pipeline`."""
+    return Pipeline([parse_transform(part) for part in _split_top(text)], **pipeline_kwargs)

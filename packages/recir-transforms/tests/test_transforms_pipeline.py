@@ -1,0 +1,151 @@
+"""Pipeline: ordering, verification per RECIR_VERIFY, provenance, dumps, disabling, reports, textual form."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _transforms_stepgraphs import mlp_sgd_step, run_steps
+from recir.transforms import (
+    PHASE_KEY,
+    PROVENANCE_KEY,
+    ConfigError,
+    Pipeline,
+    StepGraph,
+    Transform,
+    TransformResult,
+    VerificationError,
+    format_transform,
+    parse_pipeline,
+    register_transform,
+)
+
+
+@register_transform
+class ReluToClamp(Transform):
+    """Test transform: relu(x) -> clamp_min(x, floor) (same numerics for floor=0)."""
+
+    name = "recir-test-relu-to-clamp"
+    summary = "relu -> clamp_min"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        floor: float = 0.0
+        tag: str = "x"
+
+    def run(self, step: StepGraph) -> TransformResult:
+        n = 0
+        for node in list(step.graph.nodes):
+            if node.target is torch.ops.aten.relu.default:
+                with step.graph.inserting_after(node):
+                    new = step.graph.call_function(
+                        torch.ops.aten.clamp_min.default, (node.args[0], self.options.floor)
+                    )
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                step.graph.erase_node(node)
+                n += 1
+        return TransformResult(step, n > 0, {"replaced": n})
+
+
+@register_transform
+class BreakPhase(Transform):
+    """Deliberately broken: forgets the phase on a node it rewrites (the verifier must catch it)."""
+
+    name = "recir-test-break-phase"
+
+    def run(self, step: StepGraph) -> TransformResult:
+        node = next(n for n in step.graph.nodes if n.target is torch.ops.aten.mm.default)
+        del node.meta[PHASE_KEY]
+        return TransformResult(step, True, {})
+
+
+def test_pipeline_runs_in_order_and_stamps_provenance():
+    step, state, batch = mlp_sgd_step()
+    ref_state, ref_out = run_steps(step, state, batch)
+    pipe = Pipeline([ReluToClamp()])
+    out = pipe.run(step)
+    # the new node is created; its users (detach_6, mm_1, t) changed their arguments: all are stamped
+    stamped = {n.name: n.meta[PROVENANCE_KEY] for n in out.graph.nodes if n.meta.get(PROVENANCE_KEY)}
+    assert stamped == dict.fromkeys(
+        ["clamp_min_default", "detach_6", "mm_1", "t"], ["recir-test-relu-to-clamp"]
+    )
+    rec = pipe.records[0]
+    assert (rec.status, rec.added, rec.removed, rec.modified) == ("changed", 1, 1, 3)
+    assert rec.stats == {"replaced": 1} and (rec.nodes_before, rec.nodes_after) == (71, 71)
+    new_state, new_out = run_steps(out, state, batch)
+    for a, b in zip(new_state, ref_state):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(new_out, ref_out)
+
+
+def test_broken_transform_is_caught_at_level_2_and_named(monkeypatch):
+    monkeypatch.setenv("RECIR_VERIFY", "2")
+    step, _, _ = mlp_sgd_step()
+    with pytest.raises(VerificationError) as info:
+        Pipeline([ReluToClamp(), BreakPhase()]).run(step)
+    assert info.value.invariant == "INV-5" and info.value.transform == "recir-test-break-phase"
+    assert "transform: recir-test-break-phase" in str(info.value)
+
+
+def test_level_1_verifies_at_the_end_and_level_0_not_at_all(monkeypatch):
+    step, _, _ = mlp_sgd_step()
+    with pytest.raises(VerificationError) as info:
+        Pipeline([BreakPhase()], verify_level=1).run(step)
+    assert "RECIR_VERIFY=2" in str(info.value)
+    step, _, _ = mlp_sgd_step()
+    monkeypatch.setenv("RECIR_VERIFY", "0")
+    Pipeline([BreakPhase()]).run(step)
+
+
+def test_disable_by_name_and_env(monkeypatch):
+    step, _, _ = mlp_sgd_step()
+    pipe = Pipeline([ReluToClamp(), BreakPhase()], disable={"recir-test-break-phase"})
+    pipe.run(step)
+    assert [r.status for r in pipe.records] == ["changed", "disabled"]
+    monkeypatch.setenv("RECIR_DISABLE", "recir-test-break-phase, recir-test-relu-to-clamp")
+    step, _, _ = mlp_sgd_step()
+    pipe = Pipeline([ReluToClamp(), BreakPhase()])
+    pipe.run(step)
+    assert [r.status for r in pipe.records] == ["disabled", "disabled"]
+    assert "disabled" in pipe.report()
+    monkeypatch.setenv("RECIR_DISABLE", "recir-no-such-thing")
+    with pytest.raises(ConfigError, match="recir-no-such-thing"):
+        Pipeline([ReluToClamp()]).run(step)
+
+
+def test_dumps_before_and_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECIR_DUMP_DIR", str(tmp_path))
+    step, _, _ = mlp_sgd_step()
+    Pipeline("recir-test-relu-to-clamp").run(step)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["001-recir-test-relu-to-clamp.after.txt", "001-recir-test-relu-to-clamp.before.txt"]
+    before = (tmp_path / names[1]).read_text()
+    after = (tmp_path / names[0]).read_text()
+    assert "%relu = aten.relu(%add)  # forward" in before
+    assert "%clamp_min_default = aten.clamp_min(%add, 0.0)  # forward" in after and "aten.relu" not in after
+
+
+def test_report_is_a_readable_table():
+    step, _, _ = mlp_sgd_step()
+    pipe = Pipeline([ReluToClamp()], name="test")
+    pipe.run(step)
+    lines = pipe.report().splitlines()
+    assert lines[0] == "test: recir-test-relu-to-clamp (RECIR_VERIFY=2)"
+    assert lines[1].split() == ["#", "transform", "status", "ms", "nodes", "+add", "-del", "~mod", "stats"]
+    assert lines[2].split()[:3] == ["1", "recir-test-relu-to-clamp", "changed"]
+    assert "replaced=1" in lines[2] and lines[-1].startswith("total ")
+
+
+def test_textual_pipelines_round_trip_with_options():
+    pipe = parse_pipeline("recir-test-relu-to-clamp{floor=0.5, tag='a b'}, recir-test-break-phase")
+    first = pipe.transforms[0]
+    assert first.options.floor == 0.5 and first.options.tag == "a b"
+    assert str(pipe) == "recir-test-relu-to-clamp{floor=0.5,tag='a b'},recir-test-break-phase"
+    assert str(parse_pipeline(str(pipe))) == str(pipe)
+    assert format_transform(ReluToClamp()) == "recir-test-relu-to-clamp"
+    with pytest.raises(ConfigError, match="unknown option 'flor'"):
+        parse_pipeline("recir-test-relu-to-clamp{flor=1}")
+    with pytest.raises(ConfigError, match="unknown transform 'recir-nope'"):
+        parse_pipeline("recir-nope")
