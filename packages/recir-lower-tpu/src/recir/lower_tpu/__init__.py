@@ -1,5 +1,28 @@
-"""recir.lower_tpu: Lower a RecIR StepGraph to the TPU stack: torchax to JAX/XLA with GSPMD."""
+"""recir.lower_tpu: lower a RecIR StepGraph to the TPU stack, torchax to JAX/XLA (jit, donation, GSPMD)."""
+
+from recir.transforms import LoweringError as LoweringError
+
+from ._cache import default_cache_dir as default_cache_dir
+from ._cache import enable_compile_cache as enable_compile_cache
+from ._compile import TPUCompiledStep as TPUCompiledStep
+from ._compile import TPUOptions as TPUOptions
+from ._compile import compile as compile
+from ._registry import register_jax_lowering as register_jax_lowering
+from ._registry import registered_jax_lowerings as registered_jax_lowerings
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    # lowering a StepGraph
+    "compile",
+    "TPUCompiledStep",
+    "TPUOptions",
+    # lowerings of ops
+    "register_jax_lowering",
+    "registered_jax_lowerings",
+    # the compilation cache
+    "default_cache_dir",
+    "enable_compile_cache",
+    # errors
+    "LoweringError",
+]

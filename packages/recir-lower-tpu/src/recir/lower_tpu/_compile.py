@@ -1,0 +1,190 @@
+"""``compile(step)``: a StepGraph as one ``jax.jit`` program (torchax tracing, donated state).
+
+State lives on the JAX devices between steps; batches arrive and outputs leave as torch tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import torch
+from recir.transforms import ConfigError, StepGraph, verify, verify_level
+from torch import nn
+
+from . import _lowerings  # noqa: F401 - registers RecIR's built-in lowerings
+from ._cache import cache_hits, enable_compile_cache
+from ._convert import jax_dtype, to_jax, to_torch
+from ._placement import Placement
+from ._trace import check_lowerings, jax_step_fn, recir_env
+
+logger = logging.getLogger("recir.lower_tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPUOptions:
+    """Options of the TPU lowering.
+
+    ``x64``: trace and run with JAX's 64-bit types, so int64/float64 behave exactly as in ATen. Off by
+    default: TPUs emulate int64, and ids, offsets and counters fit int32 (state keeps its dtype on the
+    torch side either way). ``persistent_cache``: use JAX's on-disk compilation cache in ``cache_dir``
+    (default ``$RECIR_CACHE_DIR/jax``). ``donate_state``: let XLA reuse the state buffers in place.
+    """
+
+    x64: bool = False
+    persistent_cache: bool = True
+    cache_dir: str | None = None
+    donate_state: bool = True
+
+
+class TPUCompiledStep:
+    """A StepGraph lowered to one jitted JAX program; implements recir.transforms' ``CompiledStep``."""
+
+    def __init__(self, step: StepGraph, placement: Placement, options: TPUOptions, embedding_backend: Any):
+        self.step = step
+        self.placement = placement
+        self.options = options
+        self.embedding_backend = embedding_backend
+        sig = step.signature
+        self._state_shardings = [placement.state_sharding(s) for s in sig.state]
+        self._batch_shardings = [placement.batch_sharding(b) for b in sig.batch]
+        self._compiled: Any = None
+        self._compile_seconds = 0.0
+        self._cache_hit: bool | None = None
+        with self._x64():
+            out_dtypes = [jax_dtype(s.dtype) for s in (*sig.state, *sig.outputs)]
+        self._env = recir_env()
+        check_lowerings(step, self._env)
+        self._jitted = jax.jit(
+            jax_step_fn(step, self._env, out_dtypes),
+            donate_argnums=(0,) if options.donate_state else (),
+            in_shardings=(self._state_shardings, self._batch_shardings),
+            out_shardings=(self._state_shardings, None),
+        )
+
+    # -- CompiledStep ---------------------------------------------------------------------------
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds the first call spent tracing, lowering and compiling (0.0 before it)."""
+        return self._compile_seconds
+
+    @property
+    def cache_hit(self) -> bool | None:
+        """Whether the first call loaded the program from the persistent cache (None before it)."""
+        return self._cache_hit
+
+    def init_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[jax.Array]:
+        return self._put_state(self.step.init_state(model, optimizer))
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[jax.Array]:
+        return self._put_state(self.step.load_state_dict(state_dict))
+
+    def state_dict(self, state: Sequence[jax.Array]) -> dict[str, torch.Tensor]:
+        self._check_state(state)
+        return {slot.name: to_torch(x, slot.dtype) for slot, x in zip(self.step.signature.state, state)}
+
+    def __call__(self, state: Sequence[Any], batch: Any) -> tuple[list[jax.Array], Any]:
+        """One step. ``state`` (from ``init_state``) is donated: use the returned state afterwards."""
+        self._check_state(state)
+        sig = self.step.signature
+        with self._x64():
+            jstate = [
+                to_jax(x, sh) if isinstance(x, torch.Tensor) else x
+                for x, sh in zip(state, self._state_shardings)
+            ]
+            jbatch = [to_jax(t, sh) for t, sh in zip(sig.flatten_batch(batch), self._batch_shardings)]
+            if self._compiled is None:
+                self._compile(jstate, jbatch)
+            new_state, outs = self._compiled(jstate, jbatch)
+        torch_outs = [to_torch(x, slot.dtype) for x, slot in zip(outs, sig.outputs)]
+        return list(new_state), self.step.unflatten_outputs(torch_outs)
+
+    # -- inspection -------------------------------------------------------------------------------
+    def lower(self) -> jax.stages.Lowered:
+        """The lowered program (``.as_text()`` gives its StableHLO), from the signature's shapes."""
+        sig = self.step.signature
+        with self._x64():
+            state = [
+                jax.ShapeDtypeStruct(s.shape, jax_dtype(s.dtype), sharding=sh)
+                for s, sh in zip(sig.state, self._state_shardings)
+            ]
+            batch = [
+                jax.ShapeDtypeStruct(b.shape, jax_dtype(b.dtype), sharding=sh)
+                for b, sh in zip(sig.batch, self._batch_shardings)
+            ]
+            return self._jitted.lower(state, batch)
+
+    def __repr__(self) -> str:
+        return (
+            f"TPUCompiledStep({len(self.step.graph.nodes)} nodes on {jax.default_backend()}, "
+            f"{self.placement.describe()}, compiled={self._compiled is not None})"
+        )
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _compile(self, state: list[jax.Array], batch: list[jax.Array]) -> None:
+        start, hits = time.perf_counter(), cache_hits()
+        self._compiled = self._jitted.lower(state, batch).compile()
+        self._compile_seconds = time.perf_counter() - start
+        self._cache_hit = cache_hits() > hits
+        logger.info(
+            "recir.lower_tpu: compiled the step in %.2fs (%s)",
+            self._compile_seconds,
+            "persistent cache hit" if self._cache_hit else "compiled afresh",
+        )
+
+    def _x64(self) -> contextlib.AbstractContextManager[Any]:
+        if bool(jax.config.read("jax_enable_x64")) == self.options.x64:
+            return contextlib.nullcontext()
+        return jax.enable_x64(self.options.x64)
+
+    def _put_state(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
+        with self._x64():
+            return [to_jax(t, sh) for t, sh in zip(tensors, self._state_shardings)]
+
+    def _check_state(self, state: Sequence[Any]) -> None:
+        n = len(self.step.signature.state)
+        if len(state) != n:
+            raise ConfigError(
+                f"expected {n} state arrays (signature order), got {len(state)}. "
+                "Fix: build state with compiled.init_state(model, optimizer) and pass the returned state on."
+            )
+
+
+def compile(
+    step: StepGraph,
+    plan: Any = None,
+    *,
+    mesh: Any = None,
+    embedding_backend: str | None = None,
+    options: TPUOptions = TPUOptions(),  # noqa: B008 - frozen dataclass
+) -> TPUCompiledStep:
+    """Lower ``step`` to JAX: torchax traces its ATen graph, ``jax.jit`` compiles it with state donated.
+
+    Runs on a TPU when JAX has one, else on JAX's CPU backend. ``plan`` and ``mesh`` are accepted now;
+    with ``mesh=None`` everything lives on the default device. Compiles at the first call.
+    """
+    if embedding_backend not in (None, "in_graph"):
+        raise ConfigError(
+            f"recir.lower_tpu: embedding_backend {embedding_backend!r} is not available on this path yet; "
+            "Fix: use None or 'in_graph' (recir::* ops lower to JAX in the graph)."
+        )
+    if verify_level() >= 1:
+        verify(step, transform="recir.lower_tpu.compile")
+    if options.persistent_cache:
+        enable_compile_cache(options.cache_dir)
+    placement = Placement(mesh, plan)
+    backend = jax.default_backend()
+    if backend == "tpu":
+        logger.info("recir.lower_tpu: lowering to TPU, %s", placement.describe())
+    else:
+        logger.info(
+            "recir.lower_tpu: no TPU found; running on JAX's %s backend, %s",
+            backend.upper(),
+            placement.describe(),
+        )
+    return TPUCompiledStep(step, placement, options, embedding_backend)

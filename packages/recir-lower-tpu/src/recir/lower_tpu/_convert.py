@@ -1,0 +1,41 @@
+"""Host torch tensors <-> JAX arrays at the step boundary (batches in, outputs and state out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import Sharding
+from torchax.ops.mappings import t2j_dtype
+
+
+def jax_dtype(dtype: torch.dtype) -> Any:
+    """The JAX dtype a torch dtype becomes here (int64 -> int32 unless x64 is on)."""
+    return jax.dtypes.canonicalize_dtype(t2j_dtype(dtype))
+
+
+def to_jax(t: torch.Tensor, sharding: Sharding) -> jax.Array:
+    """Copy a torch tensor onto ``sharding``'s devices, in its canonical JAX dtype."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        host = t.view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        host = t.numpy()
+    target = jax_dtype(t.dtype)
+    if host.dtype != target:
+        host = host.astype(target)
+    return jax.device_put(host, sharding)
+
+
+def to_torch(x: jax.Array, dtype: torch.dtype) -> torch.Tensor:
+    """A host torch tensor (a copy) with ``dtype`` from a JAX array."""
+    host = np.array(x)
+    if host.dtype == jnp.bfloat16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16).to(dtype)
+    return torch.from_numpy(host).to(dtype)

@@ -1,0 +1,293 @@
+"""RecIR's JAX lowerings for ops torchax 0.0.13 lacks or gets wrong (all jittable, static shapes).
+
+Registered at import into the registry of ``_registry.py``; ``_env.py`` installs them into the torchax
+environment through its public ``Environment.override_op_definition``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._registry import register_jax_lowering
+
+
+# -- recir::embedding_bag ------------------------------------------------------------------------
+@register_jax_lowering("recir::embedding_bag")
+def recir_embedding_bag(weight, indices, offsets, per_sample_weights, mode: int):
+    """Pooled lookup: ids map to bags by a sorted search over offsets[1:], then a segment sum."""
+    num_bags = offsets.shape[0] - 1
+    seg = jnp.searchsorted(offsets[1:], jnp.arange(indices.shape[0], dtype=offsets.dtype), side="right")
+    rows = jnp.take(weight, indices, axis=0)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    pooled = jax.ops.segment_sum(rows, seg, num_segments=num_bags, indices_are_sorted=True)
+    if mode == 1:
+        lengths = jnp.maximum(offsets[1:] - offsets[:-1], 1).astype(pooled.dtype)
+        pooled = pooled / lengths[:, None]
+    return pooled
+
+
+# -- aten::_embedding_bag (torchax's loops over concrete offsets: not jittable) ----------------------
+def _bag_layout(indices, offsets, include_last_offset: bool):
+    """(num_bags, offset2bag) for torch's offsets convention (B starts, or B+1 with the last end)."""
+    num_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    starts = offsets[:num_bags]
+    positions = jnp.arange(indices.shape[0], dtype=offsets.dtype)
+    offset2bag = jnp.searchsorted(starts, positions, side="right") - 1
+    if include_last_offset:  # ids past the last end belong to no bag
+        offset2bag = jnp.where(positions < offsets[-1], offset2bag, num_bags)
+    return num_bags, offset2bag
+
+
+@register_jax_lowering("aten::_embedding_bag")
+@register_jax_lowering("aten::_embedding_bag_forward_only")
+def aten_embedding_bag(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
+    """Returns (output, offset2bag, bag_size, max_indices) like ATen; bag_size excludes padding ids."""
+    del scale_grad_by_freq, sparse
+    num_bags, offset2bag = _bag_layout(indices, offsets, include_last_offset)
+    valid = indices != padding_idx if padding_idx is not None and padding_idx >= 0 else None
+    rows = jnp.take(weight, indices, axis=0)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    seg = offset2bag if valid is None else jnp.where(valid, offset2bag, num_bags)
+    counts = jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=num_bags)
+    max_indices = jnp.zeros((num_bags, weight.shape[1]), dtype=indices.dtype)
+    if mode == 2:
+        out = jax.ops.segment_max(rows, seg, num_segments=num_bags)
+        out = jnp.where(counts[:, None] > 0, out, 0).astype(weight.dtype)
+        hit = rows == out[jnp.clip(seg, 0, num_bags - 1)]
+        cand = jnp.where(hit, indices[:, None], jnp.iinfo(indices.dtype).max)
+        max_indices = jax.ops.segment_min(cand, seg, num_segments=num_bags)
+        max_indices = jnp.where(counts[:, None] > 0, max_indices, -1).astype(indices.dtype)
+    else:
+        out = jax.ops.segment_sum(rows, seg, num_segments=num_bags)
+        if mode == 1:
+            out = out / jnp.maximum(counts, 1)[:, None].astype(out.dtype)
+    return out, offset2bag, counts.astype(offsets.dtype), max_indices
+
+
+@register_jax_lowering("aten::_embedding_bag_dense_backward")
+def aten_embedding_bag_dense_backward(
+    grad,
+    indices,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    per_sample_weights,
+    padding_idx=-1,
+):
+    dim = grad.shape[1]
+    if mode == 2:
+        flat_rows = maximum_indices.reshape(-1)
+        cols = jnp.tile(jnp.arange(dim), grad.shape[0])
+        keep = (flat_rows >= 0).astype(grad.dtype)
+        return (
+            jnp.zeros((num_weights, dim), grad.dtype)
+            .at[jnp.maximum(flat_rows, 0), cols]
+            .add(grad.reshape(-1) * keep)
+        )
+    num_bags = grad.shape[0]
+    safe_bag = jnp.clip(offset2bag, 0, num_bags - 1)
+    in_bag = (offset2bag >= 0) & (offset2bag < num_bags)
+    per_id = jnp.take(grad, safe_bag, axis=0)
+    if mode == 1:
+        per_id = per_id / jnp.maximum(jnp.take(bag_size, safe_bag), 1)[:, None].astype(grad.dtype)
+    if per_sample_weights is not None:
+        per_id = per_id * per_sample_weights[:, None].astype(grad.dtype)
+    keep = in_bag if padding_idx is None or padding_idx < 0 else in_bag & (indices != padding_idx)
+    per_id = per_id * keep[:, None].astype(grad.dtype)
+    if scale_grad_by_freq:
+        freq = jnp.zeros((num_weights,), grad.dtype).at[indices].add(1.0)
+        per_id = per_id / jnp.take(freq, indices)[:, None]
+    return jnp.zeros((num_weights, dim), grad.dtype).at[indices].add(per_id)
+
+
+@register_jax_lowering("aten::_embedding_bag_per_sample_weights_backward")
+def aten_embedding_bag_psw_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    del offsets, mode
+    num_bags = grad.shape[0]
+    per_id = jnp.take(grad, jnp.clip(offset2bag, 0, num_bags - 1), axis=0)
+    out = jnp.sum(per_id * jnp.take(weight, indices, axis=0), axis=1)
+    keep = (offset2bag >= 0) & (offset2bag < num_bags)
+    if padding_idx is not None and padding_idx >= 0:
+        keep = keep & (indices != padding_idx)
+    return jnp.where(keep, out, 0).astype(grad.dtype)
+
+
+# -- searchsorted (torchax ignores right=/side=/sorter=/out_int32=) ---------------------------------
+@register_jax_lowering("aten::searchsorted.Tensor")
+def aten_searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    side = side or ("right" if right else "left")
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    if sorted_sequence.ndim <= 1:
+        res = jnp.searchsorted(sorted_sequence, values, side=side)
+    else:
+        lead = sorted_sequence.shape[:-1]
+        seq = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
+        vals = values.reshape(seq.shape[0], -1)
+        res = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(seq, vals).reshape(*lead, -1)
+    return res.astype(jnp.int32 if out_int32 else _int64())
+
+
+def _int64() -> Any:
+    """int64 under x64, else int32 (JAX's canonical integer)."""
+    return jax.dtypes.canonicalize_dtype(jnp.int64)
+
+
+# -- layer norm backward (torchax calls a jax.lax function that does not exist) ----------------------
+@register_jax_lowering("aten::native_layer_norm_backward")
+def aten_native_layer_norm_backward(
+    grad_out, input, normalized_shape: Sequence[int], mean, rstd, weight, bias, output_mask
+):
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    lead = tuple(range(input.ndim - len(normalized_shape)))
+    n = math.prod(normalized_shape)
+    x_hat = (input - mean) * rstd
+    g = grad_out * weight if weight is not None else grad_out
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        sum_g = jnp.sum(g, axis=axes, keepdims=True)
+        sum_gx = jnp.sum(g * x_hat, axis=axes, keepdims=True)
+        grad_input = ((rstd / n) * (n * g - sum_g - x_hat * sum_gx)).astype(input.dtype)
+    if output_mask[1] and weight is not None:
+        grad_weight = jnp.sum(grad_out * x_hat, axis=lead).astype(weight.dtype)
+    if output_mask[2] and bias is not None:
+        grad_bias = jnp.sum(grad_out, axis=lead).astype(bias.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+# -- batch norm: the functional variant, with PyTorch's unbiased running variance -------------------
+@register_jax_lowering("aten::_native_batch_norm_legit_functional")
+def aten_batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    axes = (0, *range(2, input.ndim))
+    shape = (1, -1) + (1,) * (input.ndim - 2)
+    if training:
+        mean = jnp.mean(input, axis=axes)
+        var = jnp.var(input, axis=axes)
+        count = input.size // input.shape[1]
+        new_mean = (1 - momentum) * running_mean + momentum * mean
+        unbiased = var * (count / max(count - 1, 1))
+        new_var = (1 - momentum) * running_var + momentum * unbiased
+    else:
+        mean, var, new_mean, new_var = running_mean, running_var, running_mean, running_var
+    rstd = jax.lax.rsqrt(var + eps)
+    out = (input - mean.reshape(shape)) * rstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return (
+        out.astype(input.dtype),
+        mean.astype(input.dtype),
+        rstd.astype(input.dtype),
+        new_mean.astype(running_mean.dtype),
+        new_var.astype(running_var.dtype),
+    )
+
+
+# -- scaled dot-product attention (fused CPU/CUDA variants: forward and backward) -------------------
+def _sdpa(q, k, v, attn_mask, is_causal: bool, scale: float | None):
+    """(output, logsumexp[B, H, L]) of softmax(q k^T * scale + mask) v, in float32 internally."""
+    if k.shape[-3] != q.shape[-3]:  # grouped-query attention
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = jnp.repeat(k, rep, axis=-3), jnp.repeat(v, rep, axis=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("...ld,...sd->...ls", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if is_causal:
+        causal = jnp.tril(jnp.ones((q.shape[-2], k.shape[-2]), dtype=bool))
+        s = jnp.where(causal, s, -jnp.inf)
+    if attn_mask is not None:
+        s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    out = jnp.einsum("...ls,...sd->...ld", p, v.astype(jnp.float32)).astype(q.dtype)
+    return out, lse
+
+
+def _no_dropout(op: str, dropout_p: float) -> None:
+    if dropout_p:
+        raise NotImplementedError(
+            f"{op} with dropout_p={dropout_p}: the TPU path has no in-kernel dropout. "
+            "Capture attention dropout as explicit ops drawing from an rng state slot."
+        )
+
+
+def _sdpa_grads(grad_out, q, k, v, attn_mask, is_causal, scale):
+    _, vjp = jax.vjp(lambda q_, k_, v_: _sdpa(q_, k_, v_, attn_mask, is_causal, scale)[0], q, k, v)
+    return vjp(grad_out.astype(q.dtype))
+
+
+@register_jax_lowering("aten::_scaled_dot_product_flash_attention_for_cpu")
+def aten_sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    _no_dropout("_scaled_dot_product_flash_attention_for_cpu", dropout_p)
+    return _sdpa(query, key, value, attn_mask, is_causal, scale)
+
+
+@register_jax_lowering("aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+def aten_sdpa_flash_cpu_backward(
+    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None
+):
+    del out, logsumexp  # recomputed: the backward re-derives the probabilities (flash style)
+    _no_dropout("_scaled_dot_product_flash_attention_for_cpu_backward", dropout_p)
+    return _sdpa_grads(grad_out, query, key, value, attn_mask, is_causal, scale)
+
+
+@register_jax_lowering("aten::_scaled_dot_product_efficient_attention")
+def aten_sdpa_efficient(
+    query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None
+):
+    _no_dropout("_scaled_dot_product_efficient_attention", dropout_p)
+    out, lse = _sdpa(query, key, value, attn_bias, is_causal, scale)
+    if compute_log_sumexp:  # ATen pads the query length to a multiple of 32
+        padded = -(-query.shape[-2] // 32) * 32
+        lse = jnp.pad(lse, [(0, 0)] * (lse.ndim - 1) + [(0, padded - lse.shape[-1])])
+    else:
+        lse = jnp.zeros((*lse.shape[:-1], 0), jnp.float32)
+    seed = jnp.zeros((), _int64())
+    return out, lse, seed, seed
+
+
+@register_jax_lowering("aten::_scaled_dot_product_efficient_attention_backward")
+def aten_sdpa_efficient_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_bias,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal=False,
+    *,
+    scale=None,
+):
+    del out, logsumexp, philox_seed, philox_offset
+    _no_dropout("_scaled_dot_product_efficient_attention_backward", dropout_p)
+    gq, gk, gv = _sdpa_grads(grad_out, query, key, value, attn_bias, is_causal, scale)
+    gbias: Any = None
+    if attn_bias is not None and len(grad_input_mask) > 3 and grad_input_mask[3]:
+        _, vjp = jax.vjp(lambda b: _sdpa(query, key, value, b, is_causal, scale)[0], attn_bias)
+        (gbias,) = vjp(grad_out.astype(query.dtype))
+    return gq, gk, gv, gbias
