@@ -125,3 +125,38 @@ def run_steps(step: StepGraph, state: list[torch.Tensor], batch: list[torch.Tens
     for _ in range(n):
         state, outputs = step(state, batch)
     return state, outputs
+
+
+def _embedding_sgd(state: list[torch.Tensor], batch: list[torch.Tensor], lr: float = 0.5):
+    table, w = state
+    ids, offsets, y = batch
+    table, w = (p.detach().requires_grad_(True) for p in (table, w))
+    pooled = torch.ops.recir.embedding_bag(table, ids, offsets, None, 0)
+    loss = ((pooled @ w - y) ** 2).mean()
+    outputs = [loss.detach()]
+    mark_phase("backward")
+    g_table, g_w = torch.autograd.grad(loss, [table, w])
+    mark_phase("optimizer")
+    return [(table - lr * g_table).detach(), (w - lr * g_w).detach()], outputs
+
+
+def embedding_sgd_step(rows: int = 10, dim: int = 4, bags: int = 3, seed: int = 0):
+    """SGD on a pooled ``recir::embedding_bag`` lookup followed by a linear layer (override meta tagged)."""
+    from recir.transforms import OVERRIDE_KEY, override_for_op
+
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "param:emb.weight": ("param", torch.randn(rows, dim, generator=g)),
+        "param:head.weight": ("param", torch.randn(dim, 1, generator=g)),
+    }
+    data = {
+        "ids": ("ids", torch.tensor([1, 3, 3, 7, 0, 9])),
+        "offsets": ("offsets", torch.tensor([0, 2, 3, 6])),
+        "label": ("label", torch.randn(bags, 1, generator=g)),
+    }
+    step, s, b = trace_step(_embedding_sgd, state, data, ["loss"])
+    for node in step.graph.nodes:
+        owner = override_for_op(node.target) if node.op == "call_function" else None
+        if owner is not None:
+            node.meta[OVERRIDE_KEY] = owner
+    return step, s, b

@@ -51,6 +51,12 @@ from ._pipeline import TransformRecord as TransformRecord
 from ._pipeline import format_transform as format_transform
 from ._pipeline import parse_pipeline as parse_pipeline
 from ._pipeline import parse_transform as parse_transform
+from ._region import Region as Region
+from ._region import RegionTransform as RegionTransform
+from ._region import regions_by_id as regions_by_id
+from ._region import regions_by_override as regions_by_override
+from ._region import regions_by_pattern as regions_by_pattern
+from ._region import regions_by_phase as regions_by_phase
 from ._signature import (
     BatchSlot as BatchSlot,
 )
@@ -144,6 +150,13 @@ __all__ = [
     "register_transform",
     "get_transform",
     "registered_transforms",
+    # regions
+    "Region",
+    "RegionTransform",
+    "regions_by_phase",
+    "regions_by_pattern",
+    "regions_by_override",
+    "regions_by_id",
     # pipelines
     "Pipeline",
     "TransformRecord",

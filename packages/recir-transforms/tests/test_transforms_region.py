@@ -1,0 +1,130 @@
+"""Region: finding coherent subgraphs (by nodes, pattern, phase, override) and replacing them by tracing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _transforms_stepgraphs import embedding_sgd_step, mlp_sgd_step, run_steps
+from recir.transforms import (
+    OVERRIDE_KEY,
+    PHASE_KEY,
+    PROVENANCE_KEY,
+    ConfigError,
+    Pipeline,
+    Region,
+    RegionTransform,
+    StepGraph,
+    embedding_bag_reference,
+    regions_by_id,
+    regions_by_override,
+    regions_by_pattern,
+    regions_by_phase,
+    register_transform,
+    verify,
+)
+
+
+def _named(step, *names):
+    by_name = {n.name: n for n in step.graph.nodes}
+    return [by_name[n] for n in names]
+
+
+def _assert_same_run(a: StepGraph, b: StepGraph, state, batch):
+    sa, oa = run_steps(a, state, batch)
+    sb, ob = run_steps(b, state, batch)
+    for x, y in zip(sa, sb):  # parameters and optimizer state, not just the loss
+        torch.testing.assert_close(x, y)
+    torch.testing.assert_close(oa, ob)
+
+
+def test_region_entries_exits_and_replace():
+    step, state, batch = mlp_sgd_step()
+    ref, _, _ = mlp_sgd_step()
+    region = Region(step, _named(step, "mm", "add", "relu"), "fc1")
+    assert [n.name for n in region.inputs] == ["dense", "detach_1", "detach_3"]
+    assert [n.name for n in region.outputs] == ["relu"]
+    assert region.phases == ["forward"]
+    new = region.replace(lambda x, w, b: torch.clamp_min(torch.addmm(b, x, w), 0.0), provenance="test")
+    assert new.format() == (
+        "Region(fc1: 2 nodes, (%detach_3, %dense, %detach_1) -> (%clamp_min), forward)\n"
+        "  %addmm = aten.addmm(%detach_3, %dense, %detach_1)  # forward\n"
+        "  %clamp_min = aten.clamp_min(%addmm, 0.0)  # forward"
+    )
+    for node in new.nodes:
+        assert node.meta[PHASE_KEY] == "forward" and node.meta[PROVENANCE_KEY] == ["test"]
+        assert node.meta["recir.region"] == ["fc1"]
+        assert isinstance(node.meta["val"], torch.Tensor)
+    verify(step, level=2)
+    _assert_same_run(step, ref, state, batch)
+
+
+def test_region_rejects_non_convex_and_wrong_replacements():
+    step, _, _ = mlp_sgd_step()
+    with pytest.raises(ConfigError, match="not convex"):
+        Region(step, _named(step, "mm", "relu"))  # add (outside) sits between them
+    region = Region(step, _named(step, "mm", "add", "relu"))
+    with pytest.raises(
+        ConfigError, match=r"exit %relu is float32\[3, 8\], the replacement gives float32\[8\]"
+    ):
+        region.replace(lambda x, w, b: b)
+    with pytest.raises(ConfigError, match="returns 2 values"):
+        region.replace(lambda x, w, b: (x, x))
+    mixed = Region(step, _named(step, "mean", "ones_like"))
+    with pytest.raises(ConfigError, match="spans phases"):
+        mixed.replace(lambda x: (x, x))
+
+
+def test_regions_by_pattern_and_phase_match_counts():
+    step, _, _ = mlp_sgd_step()
+    found = regions_by_pattern(step, lambda x, w, b: torch.relu(x @ w + b), [torch.ones(2, 2)] * 3)
+    assert [[n.name for n in r.nodes] for r in found] == [["mm", "add", "relu"]]
+    # every mm of the step (1 forward mm and 1 forward mm_1, 3 backward mms) matches a bare mm pattern
+    mms = regions_by_pattern(step, torch.mm, [torch.ones(2, 2)] * 2)
+    assert len(mms) == 5
+    assert len(regions_by_pattern(step, torch.mm, [torch.ones(2, 2)] * 2, phase="backward")) == 3
+    assert regions_by_pattern(step, lambda x: torch.sigmoid(x), [torch.ones(2)]) == []
+    (fwd,) = regions_by_phase(step, "forward")
+    counts = step.phase_counts()
+    assert len(fwd) == counts["forward"] and [len(r) for r in regions_by_phase(step, "optimizer")] == [
+        counts["optimizer"]
+    ]
+    assert regions_by_id(step, "nothing") == []
+
+
+def test_regions_by_override_swap_to_the_reference():
+    step, state, batch = embedding_sgd_step()
+    ref, _, _ = embedding_sgd_step()
+    (region,) = regions_by_override(step, "recir-embedding-bag")
+    assert [n.target for n in region.nodes] == [torch.ops.recir.embedding_bag.default]
+    assert regions_by_override(step, "recir-other") == []
+    new = region.replace(lambda w, ids, offs: embedding_bag_reference(w, ids, offs, None, 0))
+    assert all(OVERRIDE_KEY not in n.meta for n in new.nodes) and len(new) > 3
+    verify(step, level=2)
+    _assert_same_run(step, ref, state, batch)
+
+
+@register_transform
+class InlineEmbeddingBag(RegionTransform):
+    """Test RegionTransform: recir::embedding_bag -> its pure-ATen reference."""
+
+    name = "recir-test-inline-embedding-bag"
+
+    def match(self, step):
+        return regions_by_override(step, "recir-embedding-bag")
+
+    def rewrite(self, step, region):
+        (node,) = region.nodes
+        mode = node.args[4]
+        region.replace(lambda w, i, o: embedding_bag_reference(w, i, o, None, mode), provenance=self.name)
+
+
+def test_region_transform_in_a_pipeline():
+    step, state, batch = embedding_sgd_step()
+    ref, _, _ = embedding_sgd_step()
+    pipe = Pipeline([InlineEmbeddingBag()])
+    out = pipe.run(step)
+    assert pipe.records[0].stats == {"matched": 1, "rewritten": 1}
+    assert not regions_by_override(out, "recir-embedding-bag")
+    _assert_same_run(out, ref, state, batch)
+    pipe.run(out)  # negative case: nothing left to match
+    assert pipe.records[0].status == "unchanged" and pipe.records[0].stats == {"matched": 0, "rewritten": 0}
