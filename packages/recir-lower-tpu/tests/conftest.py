@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from recir.transforms import PHASE_KEY, BatchSlot, OutputSlot, Signature, StateSlot, StepGraph
+from recir.transforms import (
+    OVERRIDE_KEY,
+    PHASE_KEY,
+    BatchSlot,
+    OutputSlot,
+    Signature,
+    StateSlot,
+    StepGraph,
+    override_for_op,
+)
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -24,14 +33,14 @@ def build_sgd_step(
     leaves, spec = pytree.tree_flatten(batch)
 
     def pure_step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        params = dict(zip(names, flat[: len(names)]))
+        params = [t.detach().requires_grad_(True) for t in flat[: len(names)]]
         user_batch = pytree.tree_unflatten(list(flat[len(names) :]), spec)
-
-        def loss_of(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return loss_fn(_Reparam(model, p), user_batch)
-
-        grads, loss = torch.func.grad_and_value(loss_of)(params)
-        return (*(params[n] - lr * grads[n] for n in names), loss.detach())
+        # torch.autograd.grad (not torch.func): custom ops' autograd formulas must trace too.
+        with torch.enable_grad():
+            loss = loss_fn(_Reparam(model, dict(zip(names, params))), user_batch)
+            grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            return (*(p - lr * g for p, g in zip(params, grads)), loss.detach())
 
     state = [p.detach() for p in model.parameters()]
     gm = make_fx(pure_step, tracing_mode="fake")(*state, *leaves)
@@ -56,22 +65,30 @@ class _Reparam:
 
 
 def _tag_phases(gm: torch.fx.GraphModule) -> None:
-    """forward up to the loss, optimizer for the final updates, backward in between (good enough here)."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    """forward: what the loss depends on; optimizer: the final updates; backward: everything else."""
+    gm.graph.eliminate_dead_code()  # drops getitems of unused (None) backward results
+    gm.recompile()
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    loss = outputs[-1]
-    update_nodes = set()
-    for out in outputs[:-1]:
-        update_nodes.add(out)
-        update_nodes.update(a for a in out.args if isinstance(a, torch.fx.Node) and a.op == "call_function")
-    phase = "forward"
-    for n in nodes:
-        if n in update_nodes:
-            n.meta[PHASE_KEY] = "optimizer"
+    loss = outputs[-1].args[0] if outputs[-1].target == torch.ops.aten.detach.default else outputs[-1]
+    forward: set[torch.fx.Node] = set()
+    todo = [loss]
+    while todo:
+        n = todo.pop()
+        if n not in forward:
+            forward.add(n)
+            todo.extend(n.all_input_nodes)
+    update = {o for o in outputs[:-1]} | {
+        a for o in outputs[:-1] for a in o.all_input_nodes if a.target == torch.ops.aten.mul.Tensor
+    }
+    rank = {"forward": 0, "backward": 1, "optimizer": 2}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
             continue
-        n.meta[PHASE_KEY] = phase
-        if n is loss or loss in n.args:
-            phase = "backward"
+        own = "optimizer" if n in update else "forward" if n in forward else "backward"
+        inputs = [m.meta[PHASE_KEY] for m in n.all_input_nodes if PHASE_KEY in m.meta]
+        n.meta[PHASE_KEY] = max([own, *inputs], key=rank.__getitem__)
+        if override_for_op(n.target) is not None:
+            n.meta[OVERRIDE_KEY] = override_for_op(n.target)
 
 
 @pytest.fixture

@@ -32,16 +32,23 @@ def recir_embedding_bag(weight, indices, offsets, per_sample_weights, mode: int)
     return pooled
 
 
-# -- aten::_embedding_bag (torchax's loops over concrete offsets: not jittable) ----------------------
-def _bag_layout(indices, offsets, include_last_offset: bool):
-    """(num_bags, offset2bag) for torch's offsets convention (B starts, or B+1 with the last end)."""
-    num_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
-    starts = offsets[:num_bags]
+# -- aten::_embedding_bag (torchax's loops over concrete offsets: not jittable, and no backward) ---------
+def _offset2bag(indices, offsets, num_bags: int):
+    """Each id's bag from torch's offsets (B starts, or B+1 with the last end); ids past the end -> B."""
     positions = jnp.arange(indices.shape[0], dtype=offsets.dtype)
-    offset2bag = jnp.searchsorted(starts, positions, side="right") - 1
-    if include_last_offset:  # ids past the last end belong to no bag
-        offset2bag = jnp.where(positions < offsets[-1], offset2bag, num_bags)
-    return num_bags, offset2bag
+    offset2bag = jnp.searchsorted(offsets[:num_bags], positions, side="right") - 1
+    if offsets.shape[0] > num_bags:  # include_last_offset: ids past the last end belong to no bag
+        offset2bag = jnp.where(positions < offsets[num_bags], offset2bag, num_bags)
+    return offset2bag
+
+
+def _bag_segments(indices, offset2bag, num_bags: int, padding_idx):
+    """Segment ids with padding ids sent to the dropped segment ``num_bags``, and per-bag id counts."""
+    seg = offset2bag
+    if padding_idx is not None and padding_idx >= 0:
+        seg = jnp.where(indices != padding_idx, seg, num_bags)
+    counts = jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=num_bags)
+    return seg, counts
 
 
 @register_jax_lowering("aten::_embedding_bag")
@@ -57,28 +64,66 @@ def aten_embedding_bag(
     include_last_offset=False,
     padding_idx=-1,
 ):
-    """Returns (output, offset2bag, bag_size, max_indices) like ATen; bag_size excludes padding ids."""
+    """(output, offset2bag, bag_size, max_indices); the auxiliary shapes follow ATen's CPU meta."""
     del scale_grad_by_freq, sparse
-    num_bags, offset2bag = _bag_layout(indices, offsets, include_last_offset)
-    valid = indices != padding_idx if padding_idx is not None and padding_idx >= 0 else None
+    num_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    offset2bag = _offset2bag(indices, offsets, num_bags)
+    seg, counts = _bag_segments(indices, offset2bag, num_bags, padding_idx)
     rows = jnp.take(weight, indices, axis=0)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights[:, None].astype(rows.dtype)
-    seg = offset2bag if valid is None else jnp.where(valid, offset2bag, num_bags)
-    counts = jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=num_bags)
-    max_indices = jnp.zeros((num_bags, weight.shape[1]), dtype=indices.dtype)
+    max_indices = jnp.zeros((num_bags,), dtype=offsets.dtype)
     if mode == 2:
         out = jax.ops.segment_max(rows, seg, num_segments=num_bags)
         out = jnp.where(counts[:, None] > 0, out, 0).astype(weight.dtype)
         hit = rows == out[jnp.clip(seg, 0, num_bags - 1)]
         cand = jnp.where(hit, indices[:, None], jnp.iinfo(indices.dtype).max)
         max_indices = jax.ops.segment_min(cand, seg, num_segments=num_bags)
-        max_indices = jnp.where(counts[:, None] > 0, max_indices, -1).astype(indices.dtype)
+        max_indices = jnp.where(counts[:, None] > 0, max_indices, -1).astype(offsets.dtype)
     else:
         out = jax.ops.segment_sum(rows, seg, num_segments=num_bags)
         if mode == 1:
             out = out / jnp.maximum(counts, 1)[:, None].astype(out.dtype)
-    return out, offset2bag, counts.astype(offsets.dtype), max_indices
+    # ATen's fast sum path (float weights, no padding id) returns an empty offset2bag.
+    no_padding = padding_idx is None or padding_idx < 0
+    fast_sum = mode == 0 and weight.dtype in (jnp.float32, jnp.float16) and no_padding
+    if fast_sum:
+        offset2bag = jnp.zeros((0,), offsets.dtype)
+    return out, offset2bag.astype(offsets.dtype), counts.astype(offsets.dtype), max_indices
+
+
+@register_jax_lowering("aten::_embedding_bag_backward")
+def aten_embedding_bag_backward(
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    sparse,
+    per_sample_weights,
+    padding_idx=-1,
+):
+    """The dense weight gradient; ids' bags are recomputed from offsets (the forward may omit them)."""
+    del offset2bag, bag_size
+    if sparse:
+        raise NotImplementedError("sparse embedding_bag gradients: use sparse=False (dense) on this path")
+    offset2bag = _offset2bag(indices, offsets, grad.shape[0])
+    return aten_embedding_bag_dense_backward(
+        grad,
+        indices,
+        offset2bag,
+        None,
+        maximum_indices,
+        num_weights,
+        scale_grad_by_freq,
+        mode,
+        per_sample_weights,
+        padding_idx,
+    )
 
 
 @register_jax_lowering("aten::_embedding_bag_dense_backward")
@@ -94,26 +139,29 @@ def aten_embedding_bag_dense_backward(
     per_sample_weights,
     padding_idx=-1,
 ):
-    dim = grad.shape[1]
+    del bag_size  # recomputed without padding ids, as the forward divided by
+    num_bags, dim = grad.shape
     if mode == 2:
         flat_rows = maximum_indices.reshape(-1)
-        cols = jnp.tile(jnp.arange(dim), grad.shape[0])
+        cols = jnp.tile(jnp.arange(dim), num_bags)
         keep = (flat_rows >= 0).astype(grad.dtype)
         return (
             jnp.zeros((num_weights, dim), grad.dtype)
             .at[jnp.maximum(flat_rows, 0), cols]
             .add(grad.reshape(-1) * keep)
         )
-    num_bags = grad.shape[0]
-    safe_bag = jnp.clip(offset2bag, 0, num_bags - 1)
-    in_bag = (offset2bag >= 0) & (offset2bag < num_bags)
-    per_id = jnp.take(grad, safe_bag, axis=0)
+    if offset2bag.shape[0] != indices.shape[0]:
+        raise NotImplementedError(
+            "_embedding_bag_dense_backward needs offset2bag (ATen's fast path omits it)"
+        )
+    seg, counts = _bag_segments(indices, offset2bag, num_bags, padding_idx)
+    keep = (seg < num_bags).astype(grad.dtype)
+    safe = jnp.clip(seg, 0, num_bags - 1)
+    per_id = jnp.take(grad, safe, axis=0) * keep[:, None]
     if mode == 1:
-        per_id = per_id / jnp.maximum(jnp.take(bag_size, safe_bag), 1)[:, None].astype(grad.dtype)
+        per_id = per_id / jnp.maximum(jnp.take(counts, safe), 1)[:, None].astype(grad.dtype)
     if per_sample_weights is not None:
         per_id = per_id * per_sample_weights[:, None].astype(grad.dtype)
-    keep = in_bag if padding_idx is None or padding_idx < 0 else in_bag & (indices != padding_idx)
-    per_id = per_id * keep[:, None].astype(grad.dtype)
     if scale_grad_by_freq:
         freq = jnp.zeros((num_weights,), grad.dtype).at[indices].add(1.0)
         per_id = per_id / jnp.take(freq, indices)[:, None]
@@ -122,14 +170,14 @@ def aten_embedding_bag_dense_backward(
 
 @register_jax_lowering("aten::_embedding_bag_per_sample_weights_backward")
 def aten_embedding_bag_psw_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
-    del offsets, mode
+    del mode
     num_bags = grad.shape[0]
-    per_id = jnp.take(grad, jnp.clip(offset2bag, 0, num_bags - 1), axis=0)
+    if offset2bag.shape[0] != indices.shape[0]:
+        offset2bag = _offset2bag(indices, offsets, num_bags)
+    seg, _ = _bag_segments(indices, offset2bag, num_bags, padding_idx)
+    per_id = jnp.take(grad, jnp.clip(seg, 0, num_bags - 1), axis=0)
     out = jnp.sum(per_id * jnp.take(weight, indices, axis=0), axis=1)
-    keep = (offset2bag >= 0) & (offset2bag < num_bags)
-    if padding_idx is not None and padding_idx >= 0:
-        keep = keep & (indices != padding_idx)
-    return jnp.where(keep, out, 0).astype(grad.dtype)
+    return jnp.where(seg < num_bags, out, 0).astype(grad.dtype)
 
 
 # -- searchsorted (torchax ignores right=/side=/sorter=/out_int32=) ---------------------------------

@@ -5,6 +5,7 @@ Each node runs inside RecIR's torchax environment; a failure names the op, the n
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,15 +19,16 @@ from torchax.tensor import Environment, OperatorNotFound
 from ._registry import aten_reference_for, jax_lowering_for, op_qualname, registered_jax_lowerings
 
 _ENV: Environment | None = None
+_INSTALLED: dict[str, Callable[..., Any]] = {}
 _NATIVE_NAMESPACES = ("aten", "prims", "_c10d_functional")
 
 
 def recir_env() -> Environment:
     """RecIR's own torchax environment (not torchax's default one), with every registered lowering."""
-    global _ENV
-    if _ENV is None:
-        _ENV = Environment()
+    global _ENV, _INSTALLED
     lowerings = registered_jax_lowerings()
+    if _ENV is None or lowerings != _INSTALLED:  # a fresh environment drops overrides since unregistered
+        _ENV, _INSTALLED = Environment(), lowerings
     # Packets first, then exact overloads: torchax looks an op up by overload before its packet.
     for name in sorted(lowerings, key=lambda n: "." in n.split("::", 1)[1]):
         for op in _resolve(name):
@@ -106,6 +108,7 @@ class _JaxTracer(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, env: Environment):
         super().__init__(gm)
         self.env = env
+        self.extra_traceback = False  # our LoweringError already names the node and its window
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "call_function":
@@ -154,7 +157,9 @@ def jax_step_fn(
 
     def jax_step(state: list[jax.Array], batch: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
         args = env.j2t_iso([*state, *batch])
-        with env:
+        with env, warnings.catch_warnings():
+            # Without x64, int64 graph values are int32 by design (TPUOptions.x64); JAX warns each time.
+            warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
             out = _JaxTracer(gm, env).run(*args)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         jflat = [jnp.asarray(x) for x in env.t2j_iso(flat)]
