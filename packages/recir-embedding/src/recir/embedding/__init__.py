@@ -1,5 +1,69 @@
 """recir.embedding: RecIR embedding tables, TorchRec/FBGEMM overrides, backends and sparse row-wise updates."""
 
+from recir.transforms import CaptureError as CaptureError
+from recir.transforms import ConfigError as ConfigError
+from recir.transforms import DataError as DataError
+
+from ._backends import BACKENDS as BACKENDS
+from ._backends import default_backend as default_backend
+from ._backends import prepare_for_lowering as prepare_for_lowering
+from ._bucket import PadReport as PadReport
+from ._bucket import bucketize as bucketize
+from ._bucket import pad_to_bucket as pad_to_bucket
+from ._checks import checks as checks
+from ._checks import checks_enabled as checks_enabled
+from ._jagged import JaggedBatch as JaggedBatch
+from ._jagged import validate_batch as validate_batch
+from ._ops import embedding_reference as embedding_reference
+from ._overrides import DenseTBEOverride as DenseTBEOverride
+from ._overrides import DenseTBEStandIn as DenseTBEStandIn
+from ._overrides import EmbeddingBagCollectionOverride as EmbeddingBagCollectionOverride
+from ._overrides import EmbeddingBagCollectionStandIn as EmbeddingBagCollectionStandIn
+from ._overrides import EmbeddingCollectionOverride as EmbeddingCollectionOverride
+from ._overrides import EmbeddingCollectionStandIn as EmbeddingCollectionStandIn
+from ._overrides import overrides as overrides
+from ._rowwise import dedupe as dedupe
+from ._rowwise import sparse_update as sparse_update
+from ._table import EmbeddingTable as EmbeddingTable
+from ._table import feature_to_table as feature_to_table
+from ._table import tables_from_torchrec as tables_from_torchrec
+from ._transforms.sparsify_update import SparsifyUpdate as SparsifyUpdate
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    # tables and jagged batches
+    "EmbeddingTable",
+    "feature_to_table",
+    "tables_from_torchrec",
+    "JaggedBatch",
+    "validate_batch",
+    "pad_to_bucket",
+    "bucketize",
+    "PadReport",
+    "checks",
+    "checks_enabled",
+    # overrides (TorchRec EBC/EC, FBGEMM dense TBE)
+    "overrides",
+    "EmbeddingBagCollectionOverride",
+    "EmbeddingCollectionOverride",
+    "DenseTBEOverride",
+    "EmbeddingBagCollectionStandIn",
+    "EmbeddingCollectionStandIn",
+    "DenseTBEStandIn",
+    # ops
+    "embedding_reference",
+    # backends (the lowerings' entry point)
+    "prepare_for_lowering",
+    "default_backend",
+    "BACKENDS",
+    # sparse row-wise updates
+    "SparsifyUpdate",
+    "dedupe",
+    "sparse_update",
+    # errors (shared with recir.transforms)
+    "CaptureError",
+    "ConfigError",
+    "DataError",
+    "__version__",
+]

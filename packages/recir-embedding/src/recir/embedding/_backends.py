@@ -1,0 +1,179 @@
+"""Embedding backends chosen at lowering time, behind one entry point: ``prepare_for_lowering``.
+
+``fbgemm`` / ``torchrec`` keep lookups as opaque ops at graph boundaries running those libraries'
+kernels; ``in_graph`` inlines the pure-ATen reference (traceable: Inductor and torchax see through it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from recir.transforms import OVERRIDE_KEY, PHASE_KEY, ConfigError, StepGraph, embedding_bag_reference, verify
+from recir.transforms import verify_level as _verify_level
+
+from . import _ops
+from ._checks import checks_enabled
+from ._graph import splice
+from ._transforms.sparsify_update import SparsifyUpdate
+
+log = logging.getLogger("recir.embedding")
+BACKENDS: tuple[str, ...] = ("fbgemm", "torchrec", "in_graph", "ring_shift")
+TARGETS: tuple[str, ...] = ("gpu", "tpu")
+
+_BAG = torch.ops.recir.embedding_bag.default
+_SEQ = torch.ops.recir.embedding.default
+_CHECK = torch.ops.recir.check_jagged.default
+_BAG_OPS = {
+    _BAG,
+    torch.ops.recir.fbgemm_embedding_bag.default,
+    torch.ops.recir.torchrec_embedding_bag.default,
+}
+_SEQ_OPS = {_SEQ, torch.ops.recir.fbgemm_embedding.default, torch.ops.recir.torchrec_embedding.default}
+
+
+def default_backend(target: str, device: Any = None) -> str:
+    """``fbgemm`` for a CUDA GPU target, ``in_graph`` elsewhere (CPU, TPU)."""
+    if target == "gpu":
+        dev = torch.device(device) if device is not None else None
+        cuda = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+        if cuda:
+            return "fbgemm"
+    return "in_graph"
+
+
+def _copy(step: StepGraph) -> StepGraph:
+    graph = fx.Graph()
+    out = graph.graph_copy(step.graph, {})
+    graph.output(out)
+    return step.replace(graph_module=fx.GraphModule(step.graph_module, graph))
+
+
+def _require(backend: str, target: str, device: Any) -> None:
+    dev = torch.device(device) if device is not None else None
+    if backend in ("fbgemm", "torchrec") and target == "tpu":
+        raise ConfigError(
+            f"embedding backend {backend!r} cannot run on target 'tpu': its kernels are torch/CUDA "
+            "kernels outside the XLA graph. Fix: use backend='in_graph' (or 'ring_shift') for TPU."
+        )
+    if backend == "fbgemm":
+        _ops._fbgemm()  # ImportError naming the extra to install
+        if dev is not None and dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"embedding backend 'fbgemm' runs on cpu or cuda, not {dev.type!r}")
+    if backend == "torchrec":
+        try:
+            import torchrec  # noqa: F401
+        except ImportError as e:  # pragma: no cover
+            raise ImportError(
+                "the 'torchrec' embedding backend needs torchrec==1.4.0 (pip install torchrec)"
+            ) from e
+    if backend == "ring_shift":
+        if target != "tpu":
+            raise ConfigError(
+                "embedding backend 'ring_shift' is the TPU path (JAX/Pallas over row-sharded tables); "
+                f"target is {target!r}. Fix: use 'fbgemm', 'torchrec' or 'in_graph' on GPU."
+            )
+        try:
+            import jax  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "the 'ring_shift' embedding backend needs JAX: install the recir-lower-tpu dependencies "
+                "(jax, torchax)"
+            ) from e
+        raise ConfigError(
+            "embedding backend 'ring_shift' needs row-wise sharded tables (a recir.distributed ShardingPlan "
+            "with row_wise embedding sharding), which this StepGraph does not carry; it is not available yet. "
+            "Fix: use backend='in_graph' on TPU."
+        )
+
+
+def _inline(step: StepGraph, node: fx.Node, fn: Callable[..., Any], args: list[fx.Node]) -> None:
+    (new,) = splice(
+        step.graph,
+        lambda *xs: (fn(*xs),),
+        args,
+        before=node,
+        phase=node.meta.get(PHASE_KEY, "forward"),
+        provenance="recir-embedding-in-graph",
+    )
+    node.replace_all_uses_with(new)
+    step.graph.erase_node(node)
+
+
+def _bag_reference(extra: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
+    psw_is_none, mode = extra
+    if psw_is_none:
+        return lambda w, i, o: embedding_bag_reference(w, i, o, None, mode)
+    return lambda w, i, o, p: embedding_bag_reference(w, i, o, p, mode)
+
+
+def _apply_backend(step: StepGraph, backend: str, target: str) -> dict[str, int]:
+    counts = {"lookups": 0, "checks_removed": 0}
+    drop_checks = target == "tpu" or not checks_enabled()
+    for node in list(step.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == _CHECK and drop_checks:
+            # XLA cannot raise on data: TPU batches are checked on the host (recir.embedding.validate_batch).
+            node.replace_all_uses_with(node.args[0])
+            step.graph.erase_node(node)
+            counts["checks_removed"] += 1
+        elif node.target in _BAG_OPS:
+            counts["lookups"] += 1
+            if backend == "in_graph":
+                w, i, o, p, mode = node.args
+                _inline(
+                    step, node, _bag_reference((p is None, mode)), [w, i, o] + ([p] if p is not None else [])
+                )
+            else:
+                node.target = getattr(torch.ops.recir, f"{backend}_embedding_bag").default
+                node.meta[OVERRIDE_KEY] = f"recir-embedding-{backend}"
+        elif node.target in _SEQ_OPS:
+            counts["lookups"] += 1
+            if backend == "in_graph":
+                _inline(step, node, _ops.embedding_reference, list(node.args))
+            else:
+                node.target = getattr(torch.ops.recir, f"{backend}_embedding").default
+                node.meta[OVERRIDE_KEY] = f"recir-embedding-{backend}"
+    return counts
+
+
+def prepare_for_lowering(
+    step: StepGraph,
+    *,
+    backend: str | None = None,
+    target: str = "gpu",
+    device: Any = None,
+    sparse_updates: bool = True,
+) -> StepGraph:
+    """The StepGraph a lowering compiles: sparse row-wise updates, then the chosen embedding backend.
+
+    ``backend``: ``fbgemm`` | ``torchrec`` | ``in_graph`` | ``ring_shift`` | None (``fbgemm`` on CUDA,
+    ``in_graph`` elsewhere); ``target``: ``gpu`` | ``tpu``; ``device``: the torch device (GPU path).
+    Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
+    ``step.meta["recir.embedding"]`` records the backend and what changed.
+    """
+    if target not in TARGETS:
+        raise ConfigError(f"target {target!r} is not one of {TARGETS}")
+    name = backend or default_backend(target, device)
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown embedding backend {name!r}; choose one of {BACKENDS}")
+    _require(name, target, device)
+    out = _copy(step)
+    report: dict[str, Any] = {"backend": name, "target": target}
+    if sparse_updates and "recir.optimizer" in out.meta:
+        res = SparsifyUpdate()(out)
+        out = res.step
+        report["sparsify"] = dict(res.stats)
+    report.update(_apply_backend(out, name, target))
+    out.graph.eliminate_dead_code()
+    out.graph.lint()
+    out.graph_module.recompile()
+    out.meta["recir.embedding"] = report
+    if _verify_level() >= 1:
+        verify(out, transform="recir-embedding-prepare-for-lowering")
+    log.info("recir.embedding.prepare_for_lowering: %s", report)
+    return out

@@ -1,0 +1,1 @@
+"""recir-embedding's graph transforms (one per module, named after the transform)."""
