@@ -1,18 +1,145 @@
-"""The `recir-dlrmv3` console script."""
+"""The `recir-dlrmv3` console script: `train`, `parity` and `prepare` subcommands."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import logging
 import sys
+
+from recir.transforms import RecIRError
+
+from ._config import DATASETS
+from ._optim import TABLE_OPTIMIZERS
+from ._trainers import EMBEDDING_BACKENDS, TARGETS
+
+DEFAULT_TARGET = "eager"
+
+
+def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object]) -> None:
+    d = defaults
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=DATASETS, default=d["dataset"], help="dataset (default %(default)s)")
+    g.add_argument("--data_dir", default=None, help="directory holding the processed dataset file")
+    g.add_argument(
+        "--batch_size", type=int, default=d["batch_size"], help="samples per step (default %(default)s)"
+    )
+    g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (0 = inline)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the model init, dropout and synthetic data")
+    m = p.add_argument_group("model")
+    for name in ("embedding_dim", "num_layers", "num_heads", "uih_len", "num_candidates", "hash_size"):
+        m.add_argument(f"--{name}", type=int, default=d[name], help="default %(default)s")
+    m.add_argument("--input_dropout", type=float, default=d["input_dropout"], help="default %(default)s")
+    m.add_argument("--layer_dropout", type=float, default=d["layer_dropout"], help="default %(default)s")
+    o = p.add_argument_group("optimization")
+    o.add_argument("--lr", type=float, default=1e-3, help="dense Adam learning rate (default %(default)s)")
+    o.add_argument("--sparse_lr", type=float, default=1e-3, help="table learning rate (default %(default)s)")
+    o.add_argument(
+        "--table_optimizer",
+        choices=TABLE_OPTIMIZERS,
+        default=d["table_optimizer"],
+        help="optimizer of the embedding tables (default %(default)s)",
+    )
+    c = p.add_argument_group("compilation")
+    c.add_argument(
+        "--target", choices=TARGETS, default=d["target"], help="training path (default %(default)s)"
+    )
+    c.add_argument(
+        "--embedding_backend",
+        choices=EMBEDDING_BACKENDS,
+        default=None,
+        help="embedding kernels of a compiled target",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ._train import TrainOptions
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
+    defaults["target"] = DEFAULT_TARGET
+    parser = argparse.ArgumentParser(prog="recir-dlrmv3", description="DLRMv3 (HSTU ranking) on RecIR.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train DLRMv3", description="Train DLRMv3 on one target.")
+    _add_model_and_data(t, defaults)
+    r = t.add_argument_group("run")
+    r.add_argument(
+        "--num_train_batches", type=int, default=defaults["num_train_batches"], help="default %(default)s"
+    )
+    r.add_argument("--log_every", type=int, default=defaults["log_every"], help="default %(default)s")
+    r.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
+    r.add_argument(
+        "--num_eval_batches", type=int, default=defaults["num_eval_batches"], help="default %(default)s"
+    )
+    r.add_argument("--tensorboard_dir", default=None, help="write TensorBoard scalars here")
+    r.add_argument("--checkpoint_dir", default=None, help="write DCP checkpoints here")
+    r.add_argument("--checkpoint_every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    r.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="resume from PATH, or without PATH from the latest checkpoint in --checkpoint_dir",
+    )
+
+    pp = sub.add_parser(
+        "parity",
+        help="compare eager and compiled training step by step",
+        description="Train the same model and batches eagerly and through --target; print per-step "
+        "loss / parameter / optimizer-state differences; exit 1 past --atol.",
+    )
+    parity_defaults = dict(
+        defaults, target="gpu", input_dropout=0.0, layer_dropout=0.0, table_optimizer="adam"
+    )
+    _add_model_and_data(pp, parity_defaults)
+    pp.add_argument("--steps", type=int, default=3, help="steps to compare (default %(default)s)")
+    pp.add_argument("--atol", type=float, default=1e-4, help="tolerance (default %(default)s)")
+
+    pr = sub.add_parser(
+        "prepare",
+        help="convert raw public dataset files",
+        description="Convert raw MovieLens (ratings.dat + users.dat, 100K u.data + u.user, 20M ratings.csv) "
+        "or KuaiRand-1K (log_*.csv + user_features_1k.csv) files into the files `train` reads.",
+    )
+    pr.add_argument("--dataset", required=True, choices=("movielens-1m", "movielens-20m", "kuairand-1k"))
+    pr.add_argument("--raw_dir", required=True, help="directory with the raw files")
+    pr.add_argument("--data_dir", required=True, help="output directory (pass it to train --data_dir)")
+    return parser
+
+
+def _options(args: argparse.Namespace) -> object:
+    from ._train import TrainOptions
+
+    names = {f.name for f in dataclasses.fields(TrainOptions)}
+    return TrainOptions(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def main(argv: list[str] | None = None) -> int:
-    del argv
-    print(
-        "recir-dlrmv3: the DLRMv3 application is not built yet (issue 7: 'DLRMv3 on RecIR').\n"
-        "The workspace, IR and lowering packages are usable from Python; see the README.",
-        file=sys.stderr,
-    )
-    return 2
+    args = _parser().parse_args(argv)
+    # TorchRec asks torch.fx whether it is tracing on every call; torch logs a warning about that API.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    try:
+        if args.command == "train":
+            from ._train import train
+
+            train(_options(args))  # type: ignore[arg-type]
+            return 0
+        if args.command == "parity":
+            from ._parity import run_parity
+
+            if args.steps < 1:
+                print("error: --steps must be >= 1", file=sys.stderr)
+                return 2
+            _, ok = run_parity(_options(args), args.steps, atol=args.atol)  # type: ignore[arg-type]
+            return 0 if ok else 1
+        from ._prepare import prepare_kuairand, prepare_movielens
+
+        fn = prepare_kuairand if args.dataset == "kuairand-1k" else prepare_movielens
+        print(f"wrote {fn(args.raw_dir, args.data_dir)}")
+        return 0
+    except RecIRError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""Datasets by name and the batch stream. Batch `i` of a run is a pure function of (dataset, seed,
+i), so a data position is just the global step and a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from recir.transforms import ConfigError
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
+
+from ._batch import Batch, PaddingStats, Sample, collate
+from ._config import DatasetSpec, ModelConfig, dataset_spec
+from ._files import load_file_dataset
+from ._synthetic import SyntheticDataset
+
+
+class SampleSource(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Sample: ...
+
+
+@dataclass
+class Data:
+    """A dataset's train and eval samples plus the collation settings."""
+
+    spec: DatasetSpec
+    config: ModelConfig
+    train: SampleSource
+    eval: SampleSource
+    batch_size: int
+    seed: int
+    shuffle: bool
+    stats: PaddingStats = field(default_factory=PaddingStats)
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {f: self.config.table_rows(t) for t in self.spec.tables for f in t.features}
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return max(len(self.train) // self.batch_size, 1)
+
+    def _collate(self, samples: Sequence[Sample]) -> Batch:
+        cfg = self.config
+        return collate(samples, self.spec, cfg.uih_len, cfg.num_candidates, self.rows)
+
+    def train_indices(self, step: int) -> list[int]:
+        """Sample indices of global train step `step` (epoch-wise permutation when shuffling)."""
+        epoch, pos = divmod(step, self.batches_per_epoch)
+        n = len(self.train)
+        lo = pos * self.batch_size
+        if not self.shuffle:
+            return [(lo + i) % n for i in range(self.batch_size)]
+        perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+        return [int(perm[(lo + i) % n]) for i in range(self.batch_size)]
+
+    def train_batch(self, step: int) -> Batch:
+        return self._collate([self.train[i] for i in self.train_indices(step)])
+
+    def eval_batches(self, num_batches: int) -> Iterator[Batch]:
+        """The first `num_batches` full eval batches, in order (the same every time)."""
+        n = len(self.eval)
+        for b in range(min(num_batches, max(n // self.batch_size, 1))):
+            idx = [(b * self.batch_size + i) % n for i in range(self.batch_size)]
+            yield self._collate([self.eval[i] for i in idx])
+
+
+class _StepBatches(TorchDataset):
+    def __init__(self, data: Data, start: int, stop: int) -> None:
+        self.data, self.start, self.stop = data, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.data.train_batch(self.start + i)
+
+
+def _identity(batch: Batch) -> Batch:
+    return batch
+
+
+def train_batches(data: Data, start: int, stop: int, num_workers: int) -> Iterator[Batch]:
+    """Batches of global steps start..stop-1, built by `num_workers` DataLoader workers (0 = inline)."""
+    if num_workers == 0:
+        for step in range(start, stop):
+            yield data.train_batch(step)
+        return
+    # An own generator: the DataLoader must not draw from the global RNG that dropout uses.
+    loader = DataLoader(
+        _StepBatches(data, start, stop),
+        batch_size=None,
+        num_workers=num_workers,
+        collate_fn=_identity,
+        generator=torch.Generator().manual_seed(data.seed),
+    )
+    yield from loader
+
+
+def make_data(
+    name: str,
+    config: ModelConfig,
+    *,
+    batch_size: int,
+    seed: int,
+    data_dir: str | Path | None = None,
+) -> Data:
+    """The dataset `name` (see `DATASETS`) with its train/eval split."""
+    if batch_size < 1:
+        raise ConfigError(f"--batch_size must be >= 1, got {batch_size}")
+    spec = dataset_spec(name)
+    if name in ("debug", "debug-random"):
+        common = dict(
+            uih_len=config.uih_len, num_candidates=config.num_candidates, num_items=config.hash_size
+        )
+        train: SampleSource = SyntheticDataset(spec, seed=seed, split="train", **common)
+        evals: SampleSource = SyntheticDataset(spec, seed=seed, split="eval", size=1 << 14, **common)
+        return Data(spec, config, train, evals, batch_size, seed, shuffle=False)
+    tr, ev = load_file_dataset(spec, data_dir)
+    return Data(spec, config, tr, ev, batch_size, seed, shuffle=True)

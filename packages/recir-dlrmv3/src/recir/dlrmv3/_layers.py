@@ -1,0 +1,118 @@
+"""DLRMv3 building blocks on static padded shapes: SwishLayerNorm, MLPs, the target-aware causal
+mask, position/time buckets, the STU layer and the hour/day time features.
+
+Everything is pure tensor maths on `[B, N, ...]` tensors with lengths as tensors, so make_fx can trace
+it in fake mode (no `.item()`, no data-dependent Python branches).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwishLayerNorm(nn.Module):
+    """x * sigmoid(LayerNorm(x))."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.norm(x))
+
+
+def mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
+    """Linear -> SwishLayerNorm -> Linear -> LayerNorm (content, action and item MLPs)."""
+    return nn.Sequential(
+        nn.Linear(d_in, hidden), SwishLayerNorm(hidden), nn.Linear(hidden, d_out), nn.LayerNorm(d_out)
+    )
+
+
+def token_order(num_contextual: int, uih_len: int, num_candidates: int) -> torch.Tensor:
+    """Causal order id of each padded slot: contextual j -> j, UIH i -> C+i, every candidate -> C+L
+    (candidates share one id, so none sees another)."""
+    c, n = num_contextual, num_contextual + uih_len + num_candidates
+    order = torch.arange(n)
+    return torch.clamp(order, max=c + uih_len)
+
+
+def valid_tokens(
+    num_contextual: int, uih_len: int, uih_lengths: torch.Tensor, num_candidates: torch.Tensor, max_cand: int
+) -> torch.Tensor:
+    """[B, N] bool: contextual tokens, the first `uih_lengths` UIH slots, the first `num_candidates`."""
+    B = uih_lengths.shape[0]
+    ctx = torch.ones(B, num_contextual, dtype=torch.bool, device=uih_lengths.device)
+    uih = torch.arange(uih_len, device=uih_lengths.device)[None, :] < uih_lengths[:, None]
+    cand = torch.arange(max_cand, device=uih_lengths.device)[None, :] < num_candidates[:, None]
+    return torch.cat([ctx, uih, cand], dim=1)
+
+
+def attention_mask(valid: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] bool, query x key: a token sees itself and tokens of strictly smaller order id;
+    padded tokens are never seen (and see nothing)."""
+    n = order.shape[0]
+    order = order.to(valid.device)
+    causal = (order[None, :] < order[:, None]) | torch.eye(n, dtype=torch.bool, device=valid.device)
+    return causal[None] & valid[:, :, None] & valid[:, None, :]
+
+
+def position_ids(num_contextual: int, uih_len: int, num_candidates: int, uih_lengths: torch.Tensor,
+                 num_buckets: int) -> torch.Tensor:  # fmt: skip
+    """[B, N] positions: contextual j -> j; UIH slot i -> C + (len - i) (distance from the end of
+    the history); every candidate -> C. Clamped to the table."""
+    c = num_contextual
+    B = uih_lengths.shape[0]
+    i = torch.arange(uih_len, device=uih_lengths.device)[None, :]
+    uih = c + torch.clamp(uih_lengths[:, None] - i, min=0)
+    ctx = torch.arange(c, device=uih_lengths.device)[None, :].expand(B, c)
+    cand = torch.full((B, num_candidates), c, dtype=uih.dtype, device=uih.device)
+    return torch.clamp(torch.cat([ctx, uih, cand], dim=1), max=num_buckets - 1)
+
+
+def time_buckets(query_time: torch.Tensor, timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """int(sqrt(max(t_query - t, 1e-6) / 60)) clamped to [0, num_buckets]; deltas in int64 first so
+    float32 never sees absolute epoch seconds."""
+    delta = (query_time[:, None] - timestamps).to(torch.float32)
+    b = torch.sqrt(torch.clamp(delta, min=1e-6) / 60.0).to(torch.int64)
+    return torch.clamp(b, min=0, max=num_buckets)
+
+
+def time_features(timestamps: torch.Tensor) -> torch.Tensor:
+    """[..., 4]: cos/sin of the hour of day and of the day of week (timestamps in epoch seconds)."""
+    feats = []
+    for period, units in ((3600, 24), (86400, 7)):
+        elapsed = torch.remainder(torch.div(timestamps, period, rounding_mode="floor"), units)
+        angle = elapsed.to(torch.float32) / units * (2 * math.pi)
+        feats += [torch.cos(angle), torch.sin(angle)]
+    return torch.stack(feats, dim=-1)
+
+
+class STULayer(nn.Module):
+    """One HSTU layer: pointwise SiLU attention over the target-aware causal mask, no softmax."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.dropout = num_heads, head_dim, dropout
+        self.input_norm = nn.LayerNorm(dim)
+        self.uvqk = nn.Linear(dim, 4 * num_heads * head_dim)
+        self.attn_norm = nn.LayerNorm(num_heads * head_dim)
+        self.output = nn.Linear(3 * num_heads * head_dim, dim, bias=False)
+        self.alpha = 1.0 / math.sqrt(head_dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
+        """x [B, N, D], mask [B, N, N] bool, max_len: 0-d tensor (the batch's longest sequence)."""
+        B, N, _ = x.shape
+        H, A = self.num_heads, self.head_dim
+        u, v, q, k = self.uvqk(self.input_norm(x)).split(H * A, dim=-1)
+        u = F.silu(u)
+        q, k, v = (t.view(B, N, H, A).transpose(1, 2) for t in (q, k, v))
+        scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / max_len.to(x.dtype)
+        scores = scores * mask[:, None].to(x.dtype)
+        attn = (scores @ v).transpose(1, 2).reshape(B, N, H * A)
+        y = u * self.attn_norm(attn)
+        out = torch.cat([u, attn, y], dim=-1)
+        return x + self.output(F.dropout(out, self.dropout, self.training))

@@ -1,0 +1,219 @@
+"""The training loop behind `recir-dlrmv3 train`: data, trainer, logging, TensorBoard, evaluation and
+checkpoints with exact resume (state, data position = global step, RNG).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from recir.transforms import ConfigError
+
+from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ._config import ModelConfig
+from ._data import Data, make_data, train_batches
+from ._metrics import MetricAccumulator
+from ._model import DLRMv3
+from ._optim import make_optimizers
+from ._trainers import Trainer, make_trainer
+
+
+@dataclass
+class TrainOptions:
+    """Every `train` flag (the CLI builds one of these)."""
+
+    target: str = "eager"
+    dataset: str = "debug"
+    data_dir: str | None = None
+    batch_size: int = 16
+    num_workers: int = 0
+    num_train_batches: int = 400
+    embedding_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    uih_len: int = 32
+    num_candidates: int = 4
+    hash_size: int = 1000
+    input_dropout: float = 0.2
+    layer_dropout: float = 0.1
+    embedding_backend: str | None = None
+    log_every: int = 50
+    seed: int = 0
+    eval_every: int = 0
+    num_eval_batches: int = 16
+    tensorboard_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    lr: float = 1e-3
+    sparse_lr: float = 1e-3
+    table_optimizer: str = "rowwise_adagrad"
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            embedding_dim=self.embedding_dim,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            uih_len=self.uih_len,
+            num_candidates=self.num_candidates,
+            hash_size=self.hash_size,
+            input_dropout=self.input_dropout,
+            layer_dropout=self.layer_dropout,
+        )
+
+    def check(self) -> None:
+        for key in ("num_train_batches", "log_every", "num_eval_batches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("num_workers", "eval_every", "checkpoint_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"--{key} must be >= 0, got {getattr(self, key)}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint_every needs --checkpoint_dir")
+        if self.resume == "latest" and not self.checkpoint_dir:
+            raise ConfigError("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    ms_per_step: float = float("nan")
+    samples_per_second: float = float("nan")
+    start_step: int = 0
+
+
+def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]]:
+    """Model (seeded), data and optimizers for `opts`."""
+    opts.check()
+    config = opts.model_config()
+    data = make_data(opts.dataset, config, batch_size=opts.batch_size, seed=opts.seed, data_dir=opts.data_dir)
+    torch.manual_seed(opts.seed)
+    model = DLRMv3(data.spec, config)
+    return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.table_optimizer)
+
+
+def evaluate(trainer: Trainer, data: Data, num_batches: int) -> dict[str, float]:
+    """NE / accuracy / AUC / GAUC per task on the first `num_batches` eval batches (no RNG drawn)."""
+    model = trainer.sync_model()
+    was_training = model.training
+    model.eval()
+    acc = MetricAccumulator(tuple(t.name for t in data.spec.tasks))
+    with torch.no_grad():
+        for batch in data.eval_batches(num_batches):
+            labels, weights = model.labels(batch)
+            acc.update(model(batch), labels, weights)
+    model.train(was_training)
+    return acc.compute()
+
+
+def _format_metrics(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.enabled = total, sys.stderr.isatty()
+
+    def update(self, done: int) -> None:
+        if self.enabled:
+            width = 30
+            filled = int(width * done / max(self.total, 1))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _resume(opts: TrainOptions) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    if opts.resume is None:
+        return None
+    path = latest_checkpoint(opts.checkpoint_dir or "") if opts.resume == "latest" else Path(opts.resume)
+    if path is None:
+        return None  # nothing written yet: start from scratch
+    return load_checkpoint(path)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResult:
+    """Runs `opts.num_train_batches` global steps (fewer when resuming) and evaluates at the end."""
+    model, data, optimizers = build(opts)
+    resumed = _resume(opts)
+    start = int(resumed[1]["step"]) if resumed else 0
+    trainer = make_trainer(opts.target, model, optimizers, data.train_batch(start), opts.embedding_backend)
+    if resumed:
+        trainer.load_state_dict(resumed[0])
+        log(f"resumed from step {start} ({opts.resume})")
+    writer = None
+    if opts.tensorboard_dir:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(opts.tensorboard_dir, purge_step=start)
+    result = TrainResult(start_step=start)
+    progress = _Progress(opts.num_train_batches)
+    window_t, window_n, timed_t, timed_n = time.perf_counter(), 0, 0.0, 0
+    for step, batch in enumerate(train_batches(data, start, opts.num_train_batches, opts.num_workers), start):
+        data.stats.add(batch)
+        t0 = time.perf_counter()
+        loss_t, _ = trainer.step(batch)
+        loss = float(loss_t)
+        dt = time.perf_counter() - t0
+        if step == start:
+            result.compile_seconds = trainer.compile_seconds
+            log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description})")
+            window_t, window_n = time.perf_counter(), 0
+        else:
+            timed_t, timed_n, window_n = timed_t + dt, timed_n + 1, window_n + 1
+        if not math.isfinite(loss):
+            raise ConfigError(f"step {step}: the loss is {loss}; lower --lr or check the data")
+        result.losses.append(loss)
+        if writer is not None:
+            writer.add_scalar("train/loss", loss, step)
+        done = step + 1
+        if done % opts.log_every == 0:
+            ms = 1000 * (time.perf_counter() - window_t) / window_n if window_n else 1000 * dt
+            log(f"epoch {step // data.batches_per_epoch} step {done} loss {loss:.6f} ({ms:.1f} ms/step)")
+            window_t, window_n = time.perf_counter(), 0
+        if opts.eval_every and done % opts.eval_every == 0 and done < opts.num_train_batches:
+            metrics = evaluate(trainer, data, opts.num_eval_batches)
+            log(f"eval step {done}: {_format_metrics(metrics)}")
+            if writer is not None:
+                for k, v in metrics.items():
+                    writer.add_scalar(f"eval/{k}", v, done)
+        if opts.checkpoint_every and done % opts.checkpoint_every == 0:
+            meta = {"dataset": opts.dataset, "target": opts.target, "seed": opts.seed}
+            path = save_checkpoint(opts.checkpoint_dir or "", done, trainer.state_dict(), meta)
+            log(f"checkpoint step {done} -> {path}")
+        progress.update(done)
+    progress.close()
+    result.metrics = evaluate(trainer, data, opts.num_eval_batches)
+    if writer is not None:
+        for k, v in result.metrics.items():
+            writer.add_scalar(f"eval/{k}", v, opts.num_train_batches)
+        writer.add_scalar("train/padding_waste", data.stats.waste, opts.num_train_batches)
+        writer.close()
+    if timed_n:
+        result.ms_per_step = 1000 * timed_t / timed_n
+        result.samples_per_second = opts.batch_size * timed_n / timed_t
+    steps = len(result.losses)
+    final = f"{result.losses[-1]:.6f}" if result.losses else "n/a"
+    log(
+        f"done: target {opts.target}, {steps} steps, {result.samples_per_second:.1f} samples/s "
+        f"({result.ms_per_step:.1f} ms/step after compile), final loss {final}, "
+        f"padding waste {100 * data.stats.waste:.1f}%; eval: {_format_metrics(result.metrics)}"
+    )
+    return result

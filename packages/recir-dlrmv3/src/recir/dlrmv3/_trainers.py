@@ -1,0 +1,175 @@
+"""One trainer interface over the three targets: `eager` (torch.optim on the live model), `gpu`
+(capture + recir.lower_gpu.compile) and `tpu` (capture + recir.lower_tpu.compile).
+
+Every trainer exposes its state as one flat `slot name -> tensor` dict (the StepGraph's names:
+`param:*`, `buffer:*`, `optim:*`, `rng:*`), which checkpoints and the parity tool use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from recir.transforms import ConfigError
+
+from ._batch import Batch
+from ._model import DLRMv3, loss_fn
+from ._optim import load_optimizer_state, optimizer_state
+
+TARGETS = ("eager", "gpu", "tpu")
+EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
+_ENGINES = {"gpu": "recir.lower_gpu", "tpu": "recir.lower_tpu"}
+_RNG = "rng:torch_cpu"
+
+
+class Trainer(Protocol):
+    model: DLRMv3
+    compile_seconds: float
+    description: str
+
+    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+    def sync_model(self) -> DLRMv3: ...
+
+
+class EagerTrainer:
+    """Trains the live model with torch.optim; dropout draws from torch's global CPU generator."""
+
+    def __init__(self, model: DLRMv3, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.model, self.optimizers = model, optimizers
+        self.compile_seconds = 0.0
+        self.description = "eager PyTorch (nothing to compile)"
+
+    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.model.train()
+        loss, logits = loss_fn(self.model, batch)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in self.optimizers:
+            opt.step()
+        return loss.detach(), logits.detach()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {f"param:{n}": p.detach() for n, p in self.model.named_parameters()}
+        state.update({f"buffer:{n}": b for n, b in self.model.named_buffers()})
+        state.update(optimizer_state(self.model, self.optimizers))
+        state[_RNG] = torch.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        load_slots_into_model(self.model, state)
+        load_optimizer_state(self.model, self.optimizers, state)
+        if _RNG in state:
+            torch.set_rng_state(state[_RNG])
+
+    def sync_model(self) -> DLRMv3:
+        return self.model
+
+
+def load_slots_into_model(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Copies `param:*` / `buffer:*` slots into the model's tensors (names must match)."""
+    with torch.no_grad():
+        for prefix, named in (("param:", model.named_parameters()), ("buffer:", model.named_buffers())):
+            for name, t in named:
+                if prefix + name in state:
+                    t.copy_(torch.as_tensor(state[prefix + name]).to(t.dtype))
+
+
+def engine(target: str) -> Any:
+    """The lowering module of `target`, with a clear error when it (or capture) is missing."""
+    if target not in _ENGINES:
+        raise ConfigError(f"unknown --target {target!r}; expected one of {', '.join(TARGETS)}")
+    name = _ENGINES[target]
+    try:
+        mod = importlib.import_module(name)
+        capture = importlib.import_module("recir.capture")
+    except ImportError as e:
+        raise ConfigError(
+            f"--target {target} needs {name} and recir.capture, which failed to import ({e}). "
+            "Fix: install the workspace with `uv sync`, or use --target eager."
+        ) from None
+    if not hasattr(mod, "compile") or not hasattr(capture, "capture_train_step"):
+        raise ConfigError(
+            f"--target {target}: this installation's {name} has no compile() or recir.capture has no "
+            "capture_train_step() (the engine is not built yet). Fix: use --target eager."
+        )
+    return mod
+
+
+def _single_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    if len(optimizers) != 1:
+        raise ConfigError(
+            f"the compiled targets capture one optimizer, got {len(optimizers)} "
+            f"({', '.join(type(o).__name__ for o in optimizers)}). "
+            "Fix: pass --table_optimizer adam (one Adam over dense parameters and tables)."
+        )
+    return optimizers[0]
+
+
+class CompiledTrainer:
+    """capture_train_step + a lowering's compile(); the state lives in the backend between steps."""
+
+    def __init__(
+        self,
+        model: DLRMv3,
+        optimizers: list[torch.optim.Optimizer],
+        example: Batch,
+        target: str,
+        embedding_backend: str | None,
+    ) -> None:
+        lowering = engine(target)
+        from recir.capture import capture_train_step
+        from recir.embedding import overrides
+
+        if embedding_backend is not None and embedding_backend not in EMBEDDING_BACKENDS:
+            raise ConfigError(
+                f"unknown --embedding_backend {embedding_backend!r}; expected one of {', '.join(EMBEDDING_BACKENDS)}"
+            )
+        self.model, self.optimizer = model, _single_optimizer(optimizers)
+        model.train()
+        started = time.perf_counter()
+        self.graph = capture_train_step(model, self.optimizer, loss_fn, example, overrides=overrides())
+        self.capture_seconds = time.perf_counter() - started
+        self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend)
+        self.state = self.compiled.init_state(model, self.optimizer)
+        self._first = True
+        self.compile_seconds = 0.0
+        self.description = f"{lowering.__name__}.compile (embedding backend {embedding_backend or 'default'})"
+
+    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
+        self.state, outputs = self.compiled(self.state, batch)
+        if self._first:
+            self._first = False
+            self.compile_seconds = self.capture_seconds + float(
+                self.compiled.compile_seconds or time.perf_counter() - started
+            )
+        loss, logits = outputs[0], outputs[1]
+        return torch.as_tensor(loss).detach(), torch.as_tensor(logits).detach()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: torch.as_tensor(v).detach().cpu() for k, v in self.compiled.state_dict(self.state).items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.state = self.compiled.load_state_dict(dict(state))
+
+    def sync_model(self) -> DLRMv3:
+        load_slots_into_model(self.model, self.compiled.state_dict(self.state))
+        return self.model
+
+
+def make_trainer(
+    target: str,
+    model: DLRMv3,
+    optimizers: list[torch.optim.Optimizer],
+    example: Batch,
+    embedding_backend: str | None = None,
+) -> Trainer:
+    if target == "eager":
+        return EagerTrainer(model, optimizers)
+    return CompiledTrainer(model, optimizers, example, target, embedding_backend)
