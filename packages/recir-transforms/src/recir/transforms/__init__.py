@@ -46,6 +46,8 @@ from ._override import (
 from ._override import (
     registered_overrides as registered_overrides,
 )
+from ._phase_split import PHASE_SPLIT_KEY as PHASE_SPLIT_KEY
+from ._phase_split import phase_split as phase_split
 from ._pipeline import Pipeline as Pipeline
 from ._pipeline import TransformRecord as TransformRecord
 from ._pipeline import format_transform as format_transform
@@ -117,7 +119,10 @@ from ._transform import (
 from ._transform import (
     registered_transforms as registered_transforms,
 )
+from ._transforms import CommonSubexpressionElimination as CommonSubexpressionElimination
+from ._transforms import DeadCodeElimination as DeadCodeElimination
 from ._verify import INVARIANTS as INVARIANTS
+from ._verify import alias_chain as alias_chain
 from ._verify import format_val as format_val
 from ._verify import format_window as format_window
 from ._verify import register_graph_namespace as register_graph_namespace
@@ -170,6 +175,12 @@ __all__ = [
     "register_graph_namespace",
     "format_window",
     "format_val",
+    "alias_chain",
+    # built-in transforms and utilities
+    "DeadCodeElimination",
+    "CommonSubexpressionElimination",
+    "phase_split",
+    "PHASE_SPLIT_KEY",
     # overrides
     "Override",
     "register_override",

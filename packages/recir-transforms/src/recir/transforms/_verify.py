@@ -438,6 +438,24 @@ def _has_fake_impl(qualname: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta")
 
 
+def alias_chain(node: fx.Node) -> list[fx.Node]:
+    """``node``, then each tensor it is a view of, back to the base that owns the memory."""
+    chain = [node]
+    while node.op == "call_function":
+        src: fx.Node | None = None
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            parent = node.args[0]
+            if isinstance(parent.target, torch._ops.OpOverload) and _view_source(parent) is not None:
+                src = _view_source(parent)
+        elif isinstance(node.target, torch._ops.OpOverload):
+            src = _view_source(node)
+        if src is None:
+            break
+        chain.append(src)
+        node = src
+    return chain
+
+
 def _alias_base(node: fx.Node) -> tuple[fx.Node, bool]:
     """Follow view ops back to the tensor ``node`` aliases; also whether every view was an identity view."""
     identity = True

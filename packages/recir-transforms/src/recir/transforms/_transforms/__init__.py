@@ -1,0 +1,6 @@
+"""Built-in transforms, one per module; importing this package registers them by name."""
+
+from .cse import CommonSubexpressionElimination as CommonSubexpressionElimination
+from .dce import DeadCodeElimination as DeadCodeElimination
+
+__all__ = ["CommonSubexpressionElimination", "DeadCodeElimination"]
