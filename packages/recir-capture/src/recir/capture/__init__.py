@@ -1,5 +1,50 @@
 """recir.capture: Capture a whole PyTorch training step (forward, backward, optimizer) as one functional StepGraph."""
 
+from recir.transforms import CaptureError as CaptureError
+
+from . import testing as testing
+from ._capture import OPTIMIZER_META as OPTIMIZER_META
+from ._capture import capture_train_step as capture_train_step
+from ._decomp import capture_decompositions as capture_decompositions
+from ._decomp import check_decomposition_table as check_decomposition_table
+from ._embedding_bag_override import EmbeddingBagOverride as EmbeddingBagOverride
+from ._embedding_bag_override import EmbeddingBagStandIn as EmbeddingBagStandIn
+from ._functional_optim import ParamOptim as ParamOptim
+from ._functional_optim import apply_update as apply_update
+from ._lr import LR_SLOTS_META as LR_SLOTS_META
+from ._lr import learning_rates as learning_rates
+from ._lr import set_learning_rate as set_learning_rate
+from ._lr import sync_learning_rates as sync_learning_rates
+from ._postprocess import GRAD_OF_KEY as GRAD_OF_KEY
+from ._postprocess import OPTIM_PARAM_KEY as OPTIM_PARAM_KEY
+from ._rowwise_adagrad import RowWiseAdagrad as RowWiseAdagrad
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    # capture
+    "capture_train_step",
+    "CaptureError",
+    # overrides
+    "EmbeddingBagOverride",
+    "EmbeddingBagStandIn",
+    # optimizers
+    "RowWiseAdagrad",
+    "ParamOptim",
+    "apply_update",
+    # learning rates
+    "set_learning_rate",
+    "sync_learning_rates",
+    "learning_rates",
+    # decompositions
+    "capture_decompositions",
+    "check_decomposition_table",
+    # metadata keys
+    "OPTIMIZER_META",
+    "LR_SLOTS_META",
+    "GRAD_OF_KEY",
+    "OPTIM_PARAM_KEY",
+    # reference models for parity tests
+    "testing",
+    "__version__",
+]

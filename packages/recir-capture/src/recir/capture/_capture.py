@@ -1,0 +1,232 @@
+"""capture_train_step: trace forward, backward and optimizer update into one functional StepGraph.
+
+The pure step (parameters swapped for fake tensors, gradients from ``torch.autograd.grad``, a functional
+optimizer) is traced by ``make_fx`` under a FakeTensorMode and a FunctionalTensorMode, so nothing real
+runs and no mutation survives; the live model and optimizer are only read.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from recir.transforms import CaptureError, Override, Signature, StateSlot, StepGraph, verify
+from torch import nn
+from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import _postprocess as post
+from ._functional_optim import ParamOptim, apply_update
+from ._lr import LR_SLOTS_META
+from ._model_copy import bind_tensors, prepare_model
+from ._optim_map import group_learning_rates, optimizer_specs
+from ._rng import step_key
+from ._slots import (
+    RNG_OFFSET_SLOT,
+    RNG_SEED_SLOT,
+    STEP_SLOT,
+    OptimizerStateInitializer,
+    batch_slots,
+    lr_slot,
+    optim_slot,
+    state_slots,
+)
+from ._trace_context import CaptureFunctionMode, TraceContext, track_modules
+from ._trace_step import Recorder, check_inputs_unmutated, node_of, split_loss, trace
+
+OPTIMIZER_META = "recir.optimizer"
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+def capture_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    example_batch: Any,
+    *,
+    overrides: Iterable[Override] = (),
+    mode: str = "static",
+) -> StepGraph:
+    """Capture ``loss_fn(model, batch)``, its backward and ``optimizer``'s update as one pure StepGraph.
+
+    ``loss_fn`` returns the loss (a scalar) or ``(loss, aux...)``. The live model and optimizer are only
+    read; no real step runs. Raises :class:`CaptureError` for what one functional graph cannot express.
+    """
+    if mode not in ("static", "dynamic"):
+        raise CaptureError(f"mode must be 'static' or 'dynamic', got {mode!r}")
+    specs = optimizer_specs(optimizer)
+    work, applied = prepare_model(model, tuple(overrides))
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    known = {id(p) for _, p in params}
+    strays = sorted(
+        {i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in known}
+    )
+    if strays:
+        raise CaptureError(
+            f"optimizer param group(s) {strays} hold tensors that are not parameters of the model.\n"
+            "Fix: build the optimizer from model.parameters() of the model being captured."
+        )
+    trainable = [(n, p, specs[id(p)]) for n, p in params if id(p) in specs and p.requires_grad]
+    lrs = group_learning_rates(optimizer)
+    slots = state_slots(params, buffers, trainable, len(lrs))
+    bslots, batch_tensors, batch_spec = batch_slots(example_batch)
+    index = {s.name: i for i, s in enumerate(slots)}
+    rec = Recorder()
+
+    def step_fn(*flat: torch.Tensor) -> list[torch.Tensor]:
+        graph = get_proxy_mode().tracer.graph
+        with FunctionalTensorMode():
+            f = [to_fun(x) for x in flat]
+            st, bt = f[: len(slots)], f[len(slots) :]
+            ctx = rec.ctx = TraceContext(
+                {id(t): s.name for t, s in zip(bt, bslots)},
+                lambda: step_key(st[index[RNG_SEED_SLOT]], st[index[RNG_OFFSET_SLOT]]),
+            )
+            p_in = {n: st[index[f"param:{n}"]] for n, _ in params}
+            for n, _, _ in trainable:
+                p_in[n].requires_grad_(True)
+            b_in = {n: st[index[f"buffer:{n}"]] for n, _ in buffers}
+            by_id = {id(p): p_in[n] for n, p in params} | {id(b): b_in[n] for n, b in buffers}
+
+            # forward: the user's loss_fn on the structural copy, bound to the traced tensors
+            with (
+                bind_tensors(work, by_id),
+                track_modules(ctx, work),
+                CaptureFunctionMode(ctx),
+                sdpa_kernel(SDPBackend.MATH),
+                torch.enable_grad(),
+            ):
+                result = loss_fn(work, pytree.tree_unflatten(bt, batch_spec))
+            loss, aux = split_loss(result, rec)
+            check_inputs_unmutated(st, bt, slots, bslots)
+            out = list(st)
+            for n, b in b_in.items():
+                out[index[f"buffer:{n}"]] = from_fun(b)  # buffers written in forward become new state
+            loss = loss.reshape(()) if loss.dim() != 0 else loss
+
+            # backward
+            rec.marks["backward"] = len(graph.nodes)
+            wrt = [p_in[n] for n, _, _ in trainable]
+            with torch.enable_grad():
+                grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+
+            # optimizer
+            rec.marks["optimizer"] = len(graph.nodes)
+            with torch.no_grad():
+                _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in)
+            return [from_fun(t) for t in out] + [from_fun(t.detach()) for t in (loss, *aux)]
+
+    shape_env = ShapeEnv() if mode == "dynamic" else None
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    with fake_mode:
+        fake_state = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+    fake_batch = [fake_mode.from_tensor(t, static_shapes=mode == "static") for t in batch_tensors]
+    gm = trace(step_fn, fake_mode, [*fake_state, *fake_batch], rec)
+    if rec.unused:
+        warnings.warn(
+            f"parameters {rec.unused} received no gradient from the loss; the captured step leaves them "
+            "unchanged (as torch.optim skips parameters whose .grad is None).",
+            stacklevel=2,
+        )
+    assert rec.ctx is not None
+    slots = _finish_graph(gm, rec, slots, [b.name for b in bslots])
+    signature = Signature(
+        state=tuple(slots),
+        batch=tuple(bslots),
+        outputs=tuple(rec.outputs),
+        batch_spec=batch_spec,
+        output_spec=rec.output_spec,
+    )
+    initializers = [OptimizerStateInitializer({n: s for n, _, s in trainable}, lrs)]
+    for _, ov in applied:
+        initializers.extend(ov.initializers())
+    meta = {
+        OPTIMIZER_META: _optimizer_meta(trainable, slots),
+        LR_SLOTS_META: [lr_slot(i) for i in range(len(lrs))],
+        "recir.overrides": sorted({ov.name for _, ov in applied}),
+        "recir.random_ops": list(rec.ctx.random_ops),
+    }
+    step = StepGraph(gm, signature, dynamic=mode == "dynamic", initializers=tuple(initializers), meta=meta)
+    return verify(step, transform="recir-capture")
+
+
+def _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in) -> None:
+    step = None
+    if STEP_SLOT in index:
+        step = out[index[STEP_SLOT]] = st[index[STEP_SLOT]] + 1
+    for (name, _, spec), grad in zip(trainable, grads):
+        if grad is None:
+            rec.unused.append(name)
+            continue
+        rec.grad_nodes[f"param:{name}"] = node_of(grad)
+        start = len(graph.nodes)
+        state = {k: st[index[optim_slot(name, k)]] for k in spec.state_keys}
+        lr = st[index[lr_slot(spec.group)]]
+        new_p, new_state = apply_update(spec, p_in[name].detach(), grad, state, lr, step)
+        out[index[f"param:{name}"]] = new_p
+        for k, v in new_state.items():
+            out[index[optim_slot(name, k)]] = v
+        rec.param_ranges.append((f"param:{name}", start, len(graph.nodes)))
+    out[index[RNG_OFFSET_SLOT]] = st[index[RNG_OFFSET_SLOT]] + 1
+
+
+def _finish_graph(gm: fx.GraphModule, rec: Recorder, slots: list[StateSlot], batch_names: list[str]):
+    graph = gm.graph
+    post.tag_phases(graph, rec.marks, rec.param_ranges)
+    for slot, node in rec.grad_nodes.items():
+        if node is not None:
+            node.meta[post.GRAD_OF_KEY] = slot
+    post.drop_identity_nodes(graph)
+    post.inline_scalar_constants(gm)
+    post.check_graph(graph, gm)
+    post.tag_overrides(graph)
+    assert rec.ctx is not None
+    if not rec.ctx.random_ops:
+        slots = _drop_rng_slots(graph, slots)
+    graph.eliminate_dead_code()
+    post.rename_placeholders(graph, [s.name for s in slots] + batch_names)
+    graph.lint()
+    gm.recompile()
+    return slots
+
+
+def _drop_rng_slots(graph: fx.Graph, slots: list[StateSlot]) -> list[StateSlot]:
+    """Remove the rng slots (placeholders and new-state outputs) of a step that draws no random numbers."""
+    drop = [i for i, s in enumerate(slots) if s.kind == "rng"]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    output.args = ([o for i, o in enumerate(outs) if i not in drop],)
+    graph.eliminate_dead_code()
+    for i in drop:
+        if placeholders[i].users:
+            raise CaptureError("internal: rng state is used by a step that recorded no random op")
+        graph.erase_node(placeholders[i])
+    return [s for i, s in enumerate(slots) if i not in drop]
+
+
+def _optimizer_meta(
+    trainable: list[tuple[str, nn.Parameter, ParamOptim]], slots: list[StateSlot]
+) -> dict[str, dict[str, Any]]:
+    names = {s.name for s in slots}
+    meta = {}
+    for name, _, spec in trainable:
+        meta[f"param:{name}"] = {
+            "kind": spec.kind,
+            "group": spec.group,
+            "hparams": dict(spec.hparams),
+            "state": {k: optim_slot(name, k) for k in spec.state_keys},
+            "lr_slot": lr_slot(spec.group),
+            "step_slot": STEP_SLOT if spec.needs_step and STEP_SLOT in names else None,
+        }
+    return meta

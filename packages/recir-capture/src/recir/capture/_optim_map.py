@@ -1,0 +1,96 @@
+"""Map a live ``torch.optim`` optimizer to RecIR functional optimizers, one :class:`ParamOptim` per parameter.
+
+Only the hyper-parameters are read (never the state). The learning rate is not baked in: it lives in a
+``optim:group<i>:lr`` state slot so schedulers can change it without recapturing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from recir.transforms import CaptureError
+
+from ._functional_optim import ParamOptim, state_keys_for
+from ._rowwise_adagrad import RowWiseAdagrad
+
+_SUPPORTED = "torch.optim.SGD, Adam, AdamW, Adagrad and recir.capture.RowWiseAdagrad"
+
+
+def _kind_of(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise CaptureError(
+            "torch.optim.LBFGS cannot be captured: it needs a closure that re-evaluates the loss several "
+            "times per step, which one functional step graph cannot express.\n"
+            f"Fix: use one of {_SUPPORTED}."
+        )
+    # Exact classes only: a subclass may override step() with other maths.
+    table = {
+        torch.optim.SGD: "sgd",
+        torch.optim.Adam: "adam",
+        torch.optim.AdamW: "adamw",
+        torch.optim.Adagrad: "adagrad",
+        RowWiseAdagrad: "rowwise_adagrad",
+    }
+    if cls in table:
+        return table[cls]
+    for base, kind in table.items():
+        if isinstance(optimizer, base) and cls.step is base.step:
+            return kind
+    raise CaptureError(
+        f"optimizer {cls.__module__}.{cls.__qualname__} is not supported by capture (its step() maths is "
+        f"unknown to RecIR).\nFix: use one of {_SUPPORTED}; a subclass must not override step()."
+    )
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if isinstance(x, (tuple, list)):
+        return tuple(_plain(v) for v in x)
+    return x
+
+
+def _hparams(kind: str, group: dict[str, Any], index: int) -> dict[str, Any]:
+    keys = {
+        "sgd": ("momentum", "dampening", "nesterov", "weight_decay", "maximize"),
+        "adam": ("betas", "eps", "weight_decay", "amsgrad", "maximize"),
+        "adamw": ("betas", "eps", "weight_decay", "amsgrad", "maximize"),
+        "adagrad": ("lr_decay", "eps", "weight_decay", "initial_accumulator_value", "maximize"),
+        "rowwise_adagrad": ("eps", "weight_decay", "initial_accumulator_value", "maximize"),
+    }[kind]
+    h = {k: _plain(group[k]) for k in keys}
+    if group.get("differentiable", False):
+        raise CaptureError(
+            f"optimizer param group {index} has differentiable=True; capture traces a plain update.\n"
+            "Fix: construct the optimizer with differentiable=False."
+        )
+    return h
+
+
+def optimizer_specs(optimizer: torch.optim.Optimizer) -> dict[int, ParamOptim]:
+    """``id(param) -> ParamOptim`` for every parameter of every group."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise CaptureError(
+            f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}.\nFix: pass one of {_SUPPORTED}."
+        )
+    base_kind = _kind_of(optimizer)
+    specs: dict[int, ParamOptim] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        kind = base_kind
+        if kind == "adam" and group.get("decoupled_weight_decay", False):
+            kind = "adamw"  # Adam(decoupled_weight_decay=True) is AdamW's maths
+        h = _hparams(base_kind, group, i)
+        spec = ParamOptim(kind=kind, group=i, hparams=h, state_keys=state_keys_for(kind, h))
+        for p in group["params"]:
+            if id(p) in specs:
+                raise CaptureError(
+                    "a parameter appears in two optimizer param groups.\nFix: put each parameter in one group."
+                )
+            specs[id(p)] = spec
+    return specs
+
+
+def group_learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [float(_plain(g["lr"])) for g in optimizer.param_groups]

@@ -1,0 +1,122 @@
+"""Turn the raw make_fx graph into a StepGraph body: tags, cleanup, and the checks that need the whole graph.
+
+Phases come from node-count marks recorded while tracing; ``detach`` nodes are dropped; random,
+mutating and constant-tensor nodes are reported as :class:`CaptureError` with the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from recir.transforms import OVERRIDE_KEY, PHASE_KEY, CaptureError, override_for_op
+
+GRAD_OF_KEY = "recir.grad_of"
+OPTIM_PARAM_KEY = "recir.optim_param"
+
+_DROP = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
+
+
+def tag_phases(graph: fx.Graph, marks: dict[str, int], param_ranges: Sequence[tuple[str, int, int]]) -> None:
+    """``marks``: node counts when backward and optimizer began; ``param_ranges``: (slot, start, end)."""
+    nodes = list(graph.nodes)
+    for i, node in enumerate(nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        if i < marks["backward"]:
+            node.meta[PHASE_KEY] = "forward"
+        elif i < marks["optimizer"]:
+            node.meta[PHASE_KEY] = "backward"
+        else:
+            node.meta[PHASE_KEY] = "optimizer"
+    for slot, start, end in param_ranges:
+        for node in nodes[start:end]:
+            if node.op not in ("placeholder", "output"):
+                node.meta[OPTIM_PARAM_KEY] = slot
+
+
+def drop_identity_nodes(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _DROP:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+
+
+def tag_overrides(graph: fx.Graph) -> list[str]:
+    names = []
+    for node in graph.nodes:
+        target = node.target
+        if (
+            node.op == "call_function"
+            and isinstance(target, torch._ops.OpOverload)
+            and target.namespace == "recir"
+        ):
+            owner = override_for_op(target)
+            if owner is not None:
+                node.meta[OVERRIDE_KEY] = owner
+                names.append(owner)
+    return names
+
+
+def check_graph(graph: fx.Graph, gm: fx.GraphModule) -> None:
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            if isinstance(value, torch.Tensor):
+                raise CaptureError(
+                    f"the step uses a constant tensor {_describe_const(value)} that is neither a parameter, "
+                    "a buffer nor a batch input (a plain tensor attribute of a module, or torch.tensor(...) "
+                    "built in forward).\nFix: register it with `module.register_buffer(name, tensor)` "
+                    "(persistent=False if it is not to be saved), or build it from a Python scalar with "
+                    "torch.full(...)."
+                )
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        op = node.target
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            raise CaptureError(
+                f"random op {op} is not supported by capture (its randomness would not be carried in the "
+                "step's rng state).\nFix: use torch.nn.Dropout / F.dropout, torch.rand/randn(_like) or "
+                "torch.bernoulli, which capture routes to the state-carried RNG; for "
+                "scaled_dot_product_attention pass dropout_p=0 and apply F.dropout yourself."
+            )
+        if op._schema.is_mutable:
+            raise CaptureError(
+                f"internal: functionalization left the mutating op {op} in the graph (node {node.name}).\n"
+                "Fix: report this with the model; meanwhile rewrite the in-place op out-of-place."
+            )
+
+
+def _describe_const(value: torch.Tensor) -> str:
+    return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+
+
+def inline_scalar_constants(gm: fx.GraphModule) -> None:
+    """Replace get_attr of 1-element tensor constants (``torch.tensor(2.0)`` in forward) by ``aten.full``."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, str(node.target), None)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_sparse:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(
+                torch.ops.aten.full.default,
+                (list(value.shape), value.item()),
+                {"dtype": value.dtype, "device": value.device},
+            )
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        delattr(gm, str(node.target))
+
+
+def rename_placeholders(graph: fx.Graph, names: Sequence[str]) -> None:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        ident = re.sub(r"\W+", "_", name).strip("_") or "arg"
+        node.target = ident
+        node._rename(ident)

@@ -1,0 +1,48 @@
+"""Counter-based random numbers from explicit state: a step's randomness is a pure function of its inputs.
+
+Values are a 32-bit integer hash of ``(seed, offset, element counter)`` in int64 ATen ops (masked to 32
+bits, so no overflow), which every backend computes bit-identically. ``rng:offset`` advances by one per
+step; within a step each random op takes its own disjoint counter range.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**27: a product with a 32-bit value stays below 2**59 in int64
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A bijective 32-bit integer mixer on int64 tensors holding values in ``[0, 2**32)``."""
+    x = (torch.bitwise_xor(x >> 16, x) * _MUL) & _M32
+    x = (torch.bitwise_xor(x >> 16, x) * _MUL) & _M32
+    return torch.bitwise_xor(x >> 16, x)
+
+
+def step_key(seed: Tensor, offset: Tensor) -> Tensor:
+    """The per-step key (0-d int64) from the ``rng:seed`` and ``rng:offset`` state."""
+    return mix32(torch.bitwise_xor(mix32(seed & _M32), offset & _M32))
+
+
+def uniform(key: Tensor, base: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+    """Uniform ``[0, 1)`` values for counters ``base .. base + numel`` under ``key`` (24-bit resolution)."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    ctr = (torch.arange(n, dtype=torch.int64, device=key.device) + base) & _M32
+    bits = mix32(torch.bitwise_xor(mix32(ctr), key))
+    u = (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    return u.reshape(tuple(shape)).to(dtype)
+
+
+def normal(key: Tensor, base: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+    """Standard normal values (Box-Muller over two uniform streams; uses ``2 * numel`` counters)."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    u = uniform(key, base, (2, n), torch.float32)
+    r = torch.sqrt(-2.0 * torch.log1p(-u[0]))  # 1 - u in (0, 1]: log is finite
+    z = r * torch.cos(2 * torch.pi * u[1])
+    return z.reshape(tuple(shape)).to(dtype)

@@ -1,0 +1,148 @@
+"""Naming and initialising the slots of a captured step: state (params, buffers, optimizer, rng) and batch.
+
+Order: ``param:*``, ``buffer:*``, ``optim:<param>:<key>``, ``optim:step``, ``optim:group<i>:lr``, ``rng:*``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from recir.transforms import BatchSlot, CaptureError, StateSlot
+from torch import nn
+
+from ._functional_optim import ParamOptim, state_shape
+
+STEP_SLOT = "optim:step"
+RNG_SEED_SLOT = "rng:seed"
+RNG_OFFSET_SLOT = "rng:offset"
+
+
+def lr_slot(group: int) -> str:
+    return f"optim:group{group}:lr"
+
+
+def optim_slot(param_name: str, key: str) -> str:
+    return f"optim:{param_name}:{key}"
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_name(path: tuple[Any, ...], default: str) -> str:
+    return ".".join(_key_name(k) for k in path) or default
+
+
+def guess_role(name: str, dtype: torch.dtype) -> str:
+    """A batch leaf's role from its name, then its dtype (a guess; transforms may refine it)."""
+    n = name.lower()
+    last = n.rsplit(".", 1)[-1]
+    if "label" in n or "target" in n or last in ("y", "click", "clicks"):
+        return "label"
+    if "length" in n or last in ("lens", "len"):
+        return "lengths"
+    if "offset" in n:
+        return "offsets"
+    if "weight" in n:
+        return "weight"
+    if dtype.is_floating_point:
+        return "dense"
+    if dtype == torch.bool:
+        return "other"
+    return "ids"
+
+
+def batch_slots(example_batch: Any) -> tuple[list[BatchSlot], list[torch.Tensor], pytree.TreeSpec]:
+    leaves, spec = pytree.tree_flatten_with_path(example_batch)
+    slots, tensors = [], []
+    for path, leaf in leaves:
+        name = path_name(path, "batch")
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"batch leaf {name!r} is a {type(leaf).__name__}, not a tensor; every leaf of example_batch "
+                "becomes a graph input.\nFix: make it a tensor, or close over the value in loss_fn."
+            )
+        slots.append(BatchSlot(name, tuple(leaf.shape), leaf.dtype, guess_role(name, leaf.dtype)))  # type: ignore[arg-type]
+        tensors.append(leaf)
+    return slots, tensors, spec
+
+
+def state_slots(
+    params: list[tuple[str, nn.Parameter]],
+    buffers: list[tuple[str, torch.Tensor]],
+    trainable: list[tuple[str, nn.Parameter, ParamOptim]],
+    num_groups: int,
+) -> list[StateSlot]:
+    slots = [StateSlot(f"param:{n}", "param", tuple(p.shape), p.dtype) for n, p in params]
+    slots += [StateSlot(f"buffer:{n}", "buffer", tuple(b.shape), b.dtype) for n, b in buffers]
+    for name, p, spec in trainable:
+        for key in spec.state_keys:
+            shape = state_shape(spec.kind, key, tuple(p.shape))
+            slots.append(StateSlot(optim_slot(name, key), "optim", shape, p.dtype))
+    if any(spec.needs_step for _, _, spec in trainable):
+        slots.append(StateSlot(STEP_SLOT, "optim", (), torch.float32))
+    slots += [StateSlot(lr_slot(i), "optim", (), torch.float32) for i in range(num_groups)]
+    slots.append(StateSlot(RNG_SEED_SLOT, "rng", (), torch.int64))
+    slots.append(StateSlot(RNG_OFFSET_SLOT, "rng", (), torch.int64))
+    return slots
+
+
+class OptimizerStateInitializer:
+    """SlotInitializer for ``optim:*`` and ``rng:*`` slots: reads ``optimizer.state`` where present.
+
+    Missing optimizer state starts like torch.optim's lazy state (zeros; Adagrad's ``sum`` at
+    ``initial_accumulator_value``); learning rates come from ``optimizer.param_groups``.
+    """
+
+    def __init__(self, specs: dict[str, ParamOptim], lrs: list[float]) -> None:
+        self.specs = specs  # param name -> ParamOptim at capture
+        self.lrs = lrs
+
+    def __call__(
+        self, slot: StateSlot, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> torch.Tensor | None:
+        name = slot.name
+        if name == RNG_SEED_SLOT:
+            return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+        if name == RNG_OFFSET_SLOT:
+            return torch.zeros((), dtype=torch.int64)
+        if not name.startswith("optim:"):
+            return None
+        if name == STEP_SLOT:
+            return torch.tensor(_read_step(optimizer), dtype=torch.float32)
+        if name.startswith("optim:group") and name.endswith(":lr"):
+            i = int(name[len("optim:group") : -len(":lr")])
+            lr = self.lrs[i]
+            if optimizer is not None and i < len(optimizer.param_groups):
+                lr = float(optimizer.param_groups[i]["lr"])
+            return torch.tensor(lr, dtype=torch.float32)
+        param_name, key = name[len("optim:") :].rsplit(":", 1)
+        spec = self.specs.get(param_name)
+        if spec is None:
+            return None
+        param = model.get_parameter(param_name)
+        if optimizer is not None:
+            value = optimizer.state.get(param, {}).get(key)
+            if isinstance(value, torch.Tensor):
+                return value.detach().clone().to(slot.dtype).reshape(slot.shape)
+        fill = float(spec.hparams.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
+        return torch.full(slot.shape, fill, dtype=slot.dtype, device=param.device)
+
+
+def _read_step(optimizer: torch.optim.Optimizer | None) -> float:
+    if optimizer is None:
+        return 0.0
+    seen_state = False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if "step" in state:
+                return float(state["step"])
+            seen_state = seen_state or bool(state)
+    # SGD keeps no step count: a momentum buffer means at least one step was taken.
+    return 1.0 if seen_state else 0.0
