@@ -28,6 +28,11 @@ FORWARD_BACKWARD_PAIRS: dict[str, str] = {
 }
 
 
+#: Ops RecIR transforms pattern-match, kept whole: recir-embedding turns the embedding gradient
+#: ``zeros(rows, D).index_add(0, ids, rows)`` (from recir::embedding_bag's backward) into row updates.
+KEEP_WHOLE: frozenset[str] = frozenset({"aten::index_add"})
+
+
 def _qualname(op: Any) -> str:
     return op._schema.name if isinstance(op, torch._ops.OpOverload) else str(op)
 
@@ -65,7 +70,9 @@ def _capture_decompositions() -> dict[Any, Any]:
     pairs = {**_implicit_pairs(table), **FORWARD_BACKWARD_PAIRS}
     for op in list(table):
         name = _qualname(op)
-        if name in pairs and pairs[name] not in decomposed:
+        if name in KEEP_WHOLE:
+            del table[op]
+        elif name in pairs and pairs[name] not in decomposed:
             del table[op]  # keep the fused forward whole, next to its fused backward
         elif isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
             del table[op]  # random ops stay visible so capture can route or reject them
