@@ -233,7 +233,7 @@ class Pipeline:
 
 
 def _dump(path: Path, step: StepGraph, header: str) -> None:
-    path.write_text(f"# {header}\n# {step.phase_counts()}\n{step.format_graph()}\n")
+    path.write_text(f"# {header}\n# {step.phase_counts()}\n{step.format_graph(vals=True)}\n")
 
 
 def registered_names() -> list[str]:
@@ -244,7 +244,9 @@ def registered_names() -> list[str]:
 
 # -- textual pipelines -------------------------------------------------------------------------------
 def _split_top(text: str, sep: str = ",") -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch in "{[(":
             depth += 1
@@ -309,7 +311,8 @@ def format_transform(transform: Transform) -> str:
     if not dataclasses.is_dataclass(opts):
         return transform.name
     try:
-        default = type(opts)()
+        options_type: Any = type(opts)
+        default = options_type()
     except TypeError:  # options without defaults: show them all
         default = None
     changed = [

@@ -280,7 +280,7 @@ def regions_by_pattern(
     matcher = SubgraphMatcher(
         pat.graph, match_output=False, match_placeholder=False, ignore_literals=ignore_literals
     )
-    regions = []
+    regions: list[Region] = []
     for m in matcher.match(step.graph):
         nodes = [v for k, v in m.nodes_map.items() if k.op == "call_function"]
         if phase is not None and any(n.meta.get(PHASE_KEY) != phase for n in nodes):

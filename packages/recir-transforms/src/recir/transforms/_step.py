@@ -145,10 +145,12 @@ class StepGraph:
                 counts[phase] += 1
         return counts
 
-    def format_graph(self, max_nodes: int | None = None) -> str:
-        """A compact listing: one line per node, ``%name = target(args)  # phase``."""
+    def format_graph(self, max_nodes: int | None = None, *, vals: bool = False) -> str:
+        """A compact listing: one line per node, ``%name = target(args)  # phase`` (``vals``: plus shapes)."""
         return "\n".join(
-            format_node(n) for i, n in enumerate(self.graph.nodes) if max_nodes is None or i < max_nodes
+            format_node(n, vals=vals)
+            for i, n in enumerate(self.graph.nodes)
+            if max_nodes is None or i < max_nodes
         )
 
     def __str__(self) -> str:
@@ -168,10 +170,24 @@ def _fmt_arg(a: Any) -> str:
     return repr(a)
 
 
-def format_node(node: fx.Node) -> str:
-    """One readable line for a node (used by printing, dumps and error windows)."""
+def _fmt_val(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).removeprefix('torch.')}[{', '.join(str(d) for d in val.shape)}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_fmt_val(v) for v in val) + ")"
+    return "" if val is None else repr(val)
+
+
+def format_node(node: fx.Node, *, vals: bool = False) -> str:
+    """One readable line for a node (used by printing, dumps and error windows).
+
+    ``vals`` appends the node's ``val`` (``float32[3, 8]``) after the phase comment.
+    """
     phase = node.meta.get(PHASE_KEY)
-    suffix = f"  # {phase}" if phase else ""
+    notes = [str(phase)] if phase else []
+    if vals and node.op != "output" and node.meta.get("val") is not None:
+        notes.append(_fmt_val(node.meta["val"]))
+    suffix = f"  # {'  '.join(notes)}" if notes else ""
     if node.op == "placeholder":
         return f"%{node.name} = input{suffix}"
     if node.op == "output":

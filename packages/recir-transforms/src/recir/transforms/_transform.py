@@ -45,7 +45,7 @@ class Transform(abc.ABC):
             raise ConfigError(
                 f"{self.name}: options must be {self.Options.__name__}, got {type(opts).__name__}"
             )
-        self.options = opts
+        self.options: Any = opts
 
     def requires(self, step: StepGraph) -> None:  # noqa: B027 - optional hook
         """Raise ConfigError if ``step`` does not meet this transform's preconditions."""

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ._errors import VerificationError
 from ._override import override_for_op
+from ._signature import BatchSlot, StateSlot
 from ._step import OVERRIDE_KEY, PHASE_KEY, PHASES, StepGraph, format_node
 
 #: Invariant id -> one-line statement (INVARIANTS.md explains why each exists and what breaks it).
@@ -88,7 +89,7 @@ def format_window(graph: fx.Graph, node: fx.Node | None, radius: int = 6) -> str
         lines.append("      ...")
     for i in range(lo, hi):
         mark = ">>> " if node is not None and nodes[i] is node else "    "
-        lines.append(f"  {mark}{format_node(nodes[i])}")
+        lines.append(f"  {mark}{format_node(nodes[i], vals=True)}")
     if hi < len(nodes):
         lines.append("      ...")
     return "\n".join(lines)
@@ -168,7 +169,7 @@ class _Checker:
     def check_signature(self) -> None:
         sig = self.step.signature
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        slots = [*sig.state, *sig.batch]
+        slots: list[StateSlot | BatchSlot] = [*sig.state, *sig.batch]
         if len(placeholders) != len(slots):
             self.fail(
                 "INV-3",
@@ -204,8 +205,8 @@ class _Checker:
         for i, value in enumerate(flat):
             if not isinstance(value, fx.Node):
                 self.fail("INV-3", f"output {i} is a constant {value!r}, not a node", out)
-        for slot, value in zip(sig.outputs, flat[len(sig.state) :]):
-            self._check_val_matches(value, slot.shape, slot.dtype, "INV-3", f"user output {slot.name!r}")
+        for oslot, value in zip(sig.outputs, flat[len(sig.state) :]):
+            self._check_val_matches(value, oslot.shape, oslot.dtype, "INV-3", f"user output {oslot.name!r}")
 
     def _check_val_matches(
         self, node: fx.Node, shape: tuple[int, ...], dtype: torch.dtype, inv: str, what: str
