@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _transforms_stepgraphs import mark_phase, mlp_sgd_step, run_steps, trace_step
-from recir.transforms import CommonSubexpressionElimination, Pipeline, parse_pipeline, verify
+from recir.transforms import (
+    CommonSubexpressionElimination,
+    Pipeline,
+    VerificationError,
+    parse_pipeline,
+    verify,
+)
 
 
 def _dup_step():
@@ -124,3 +131,45 @@ def test_cse_negative_nothing_to_merge():
         str(Pipeline([CommonSubexpressionElimination(cross_phase=True)]))
         == "recir-cleanup-cse{cross_phase=true}"
     )
+
+
+class _BrokenCse(CommonSubexpressionElimination):
+    """Deliberately broken: merges random draws like any other op (the numerics test must catch it)."""
+
+    name = "recir-test-broken-cse"
+
+    @staticmethod
+    def _mergeable(node):
+        return node.op == "call_function"
+
+
+class _BrokenCseAcrossPhases(CommonSubexpressionElimination):
+    """Deliberately broken: merges a forward node into an identical *later* backward one."""
+
+    name = "recir-test-broken-cse-phases"
+
+    def run(self, step):
+        mm, mm_2 = (n for n in step.graph.nodes if n.name in ("mm", "mm_2"))
+        mm.append(mm_2)  # hoist the backward twin (it reads only placeholders), keep its phase
+        mm.replace_all_uses_with(mm_2)
+        step.graph.erase_node(mm)
+        return super().run(step)
+
+
+def test_cse_broken_variants_are_caught():
+    def fn(state, batch):
+        (w,), (x,) = state, batch
+        a, b = torch.rand_like(x), torch.rand_like(x)
+        return [w * 1.0], [(a - b).abs().sum()]
+
+    step, s, bt = trace_step(
+        fn, {"param:w": ("param", torch.randn(4, 2))}, {"x": ("dense", torch.randn(3, 4))}, ["loss"]
+    )
+    assert step([s[0]], bt)[1][0] > 0
+    broken = Pipeline([_BrokenCse()]).run(step)
+    assert broken([s[0]], bt)[1][0] == 0  # two draws became one: exactly what the real CSE refuses
+
+    step, _, _ = _dup_step()
+    with pytest.raises(VerificationError) as info:
+        Pipeline([_BrokenCseAcrossPhases()], verify_level=2).run(step)
+    assert info.value.invariant == "INV-5" and info.value.transform == "recir-test-broken-cse-phases"

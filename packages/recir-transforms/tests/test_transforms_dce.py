@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _transforms_stepgraphs import mark_phase, mlp_sgd_step, run_steps, trace_step
-from recir.transforms import DeadCodeElimination, Pipeline, get_transform, verify
+from recir.transforms import DeadCodeElimination, Pipeline, VerificationError, get_transform, verify
 
 
 def _dead_step():
@@ -79,3 +80,23 @@ def test_dce_negative_nothing_dead():
     assert not result.changed and result.stats == {"removed": 0}
     assert step.format_graph() == before
     assert get_transform("recir-cleanup-dce") is DeadCodeElimination
+
+
+class _BrokenDce(DeadCodeElimination):
+    """Deliberately broken: 'cleans up' the last new-state output too (the verifier must catch it)."""
+
+    name = "recir-test-broken-dce"
+
+    def run(self, step):
+        out = step.graph.output_node()
+        values = list(out.args[0])
+        del values[len(step.signature.state) - 1]
+        out.args = (values,)
+        return super().run(step)
+
+
+def test_dce_broken_variant_is_caught_in_a_pipeline():
+    step, _, _ = _dead_step()
+    with pytest.raises(VerificationError) as info:
+        Pipeline([DeadCodeElimination, _BrokenDce()], verify_level=2).run(step)
+    assert info.value.invariant == "INV-3" and info.value.transform == "recir-test-broken-dce"

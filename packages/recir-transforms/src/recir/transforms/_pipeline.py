@@ -105,7 +105,7 @@ class Pipeline:
 
     def __init__(
         self,
-        transforms: Sequence[Transform | str] | str,
+        transforms: Sequence[Transform | type[Transform] | str] | str,
         *,
         disable: Iterable[str] = (),
         dump_dir: str | os.PathLike[str] | None = None,
@@ -118,8 +118,12 @@ class Pipeline:
                 items.extend(parse_pipeline(t).transforms)
             elif isinstance(t, Transform):
                 items.append(t)
+            elif isinstance(t, type) and issubclass(t, Transform):
+                items.append(t())
             else:
-                raise ConfigError(f"Pipeline: expected a Transform or a pipeline string, got {t!r}")
+                raise ConfigError(
+                    f"Pipeline: expected a Transform (instance or class) or a pipeline string, got {t!r}"
+                )
         self.transforms: list[Transform] = items
         self.disable = set(disable)
         self.dump_dir = dump_dir
