@@ -158,8 +158,8 @@ def jax_step_fn(
     def jax_step(state: list[jax.Array], batch: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
         args = env.j2t_iso([*state, *batch])
         with env, warnings.catch_warnings():
-            # Without x64, int64 graph values are int32 by design (TPUOptions.x64); JAX warns each time.
-            warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
+            # Without x64, 64-bit graph values are 32-bit by design (TPUOptions.x64); JAX warns each time.
+            warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
             out = _JaxTracer(gm, env).run(*args)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         jflat = [jnp.asarray(x) for x in env.t2j_iso(flat)]
