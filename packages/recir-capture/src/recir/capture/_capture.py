@@ -127,7 +127,7 @@ def capture_train_step(
             return [from_fun(t) for t in out] + [from_fun(t.detach()) for t in (loss, *aux)]
 
     shape_env = ShapeEnv() if mode == "dynamic" else None
-    fake_mode = FakeTensorMode(shape_env=shape_env)
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)  # constants -> CaptureError
     with fake_mode:
         fake_state = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
     fake_batch = [fake_mode.from_tensor(t, static_shapes=mode == "static") for t in batch_tensors]

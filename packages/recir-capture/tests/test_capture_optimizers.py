@@ -1,0 +1,79 @@
+"""RowWiseAdagrad's eager semantics (FBGEMM row-wise Adagrad) and the optimizer-to-functional mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recir.capture import OPTIMIZER_META, CaptureError, RowWiseAdagrad, capture_train_step, testing
+
+
+def test_capture_optimizers_rowwise_adagrad_formula() -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    opt = RowWiseAdagrad([w], lr=0.1, eps=1e-6)
+    assert opt.state[w]["sum"].shape == (5,)
+    w0 = w.detach().clone()
+    g = torch.randn(5, 3)
+    g[2] = 0  # an untouched row
+    w.grad = g.clone()
+    opt.step()
+    acc = (g * g).mean(dim=1)
+    expected = w0 - 0.1 * g / (acc.sqrt() + 1e-6).unsqueeze(1)
+    torch.testing.assert_close(w.detach(), expected)
+    torch.testing.assert_close(opt.state[w]["sum"], acc)
+    assert torch.equal(w.detach()[2], w0[2])  # a row with zero gradient does not move
+
+
+def test_capture_optimizers_rowwise_adagrad_sparse_grad_matches_dense() -> None:
+    torch.manual_seed(0)
+    dense_bag = torch.nn.EmbeddingBag(10, 4, mode="sum")
+    sparse_bag = torch.nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+    sparse_bag.weight.data.copy_(dense_bag.weight.data)
+    ids, offsets = torch.tensor([1, 3, 3, 7]), torch.tensor([0, 2])
+    for bag in (dense_bag, sparse_bag):
+        opt = RowWiseAdagrad(bag.parameters(), lr=0.5)
+        bag(ids, offsets).sum().backward()
+        opt.step()
+    torch.testing.assert_close(dense_bag.weight, sparse_bag.weight)
+
+
+def test_capture_optimizers_rowwise_adagrad_rejects_bad_hparams() -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        RowWiseAdagrad([torch.nn.Parameter(torch.zeros(2, 2))], lr=-1.0)
+
+
+def test_capture_optimizers_metadata_kinds() -> None:
+    case = testing.REFERENCE_CASES["embedding_bag"]
+    model = case.build(0)
+    kinds = {}
+    for name in ("sgd_momentum_wd", "adam", "adamw_amsgrad", "adagrad", "rowwise_adagrad"):
+        opt = testing.make_optimizer(name, model.parameters())
+        step = capture_train_step(model, opt, case.loss_fn, case.make_batch(0), overrides=case.overrides())
+        entry = step.meta[OPTIMIZER_META]["param:tables.0.weight"]
+        kinds[name] = (entry["kind"], sorted(entry["state"]), entry["step_slot"])
+        if name == "rowwise_adagrad":
+            sum_slot = step.signature.state[step.signature.state_index(entry["state"]["sum"])]
+            assert sum_slot.shape == (20,)  # one accumulator per row
+    assert kinds == {
+        "sgd_momentum_wd": ("sgd", ["momentum_buffer"], None),
+        "adam": ("adam", ["exp_avg", "exp_avg_sq"], "optim:step"),
+        "adamw_amsgrad": ("adamw", ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], "optim:step"),
+        "adagrad": ("adagrad", ["sum"], "optim:step"),
+        "rowwise_adagrad": ("rowwise_adagrad", ["sum"], None),
+    }
+
+
+def test_capture_optimizers_adam_decoupled_flag_is_adamw() -> None:
+    case = testing.REFERENCE_CASES["mlp"]
+    model = case.build(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)
+    step = capture_train_step(model, opt, case.loss_fn, case.make_batch(0))
+    assert step.meta[OPTIMIZER_META]["param:fc1.weight"]["kind"] == "adamw"
+
+
+def test_capture_optimizers_differentiable_rejected() -> None:
+    case = testing.REFERENCE_CASES["mlp"]
+    model = case.build(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, differentiable=True)
+    with pytest.raises(CaptureError, match="differentiable=True"):
+        capture_train_step(model, opt, case.loss_fn, case.make_batch(0))

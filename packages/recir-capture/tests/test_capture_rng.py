@@ -1,0 +1,101 @@
+"""Randomness is carried in ``rng:seed``/``rng:offset`` state: a step is a pure function of its inputs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from recir.capture import capture_train_step, testing
+from torch import nn
+
+
+class _Dropper(nn.Module):
+    def __init__(self, n: int = 2000, p: float = 0.3) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.w * x, self.p, self.training)
+
+
+def _loss(m: nn.Module, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    out = m(b["x"])
+    return out.sum(), out
+
+
+def _capture(model: nn.Module):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"x": torch.ones(model.w.shape[0])}
+    return capture_train_step(model, opt, _loss, batch), opt, batch
+
+
+def test_capture_rng_slots_and_reproducibility() -> None:
+    model = _Dropper()
+    step, opt, batch = _capture(model)
+    names = step.signature.state_names()
+    assert names[-2:] == ["rng:seed", "rng:offset"]
+    assert [s.kind for s in step.signature.state[-2:]] == ["rng", "rng"]
+    assert step.meta["recir.random_ops"] == ["dropout"]
+    state = step.init_state(model, opt)
+    a_state, (_, a) = step(state, batch)
+    b_state, (_, b) = step(state, batch)
+    assert torch.equal(a, b)  # same state in, same mask out
+    assert int(a_state[-1]) == int(state[-1]) + 1  # the offset advances per step
+    _, (_, c) = step(a_state, batch)
+    assert not torch.equal(a == 0, c == 0)  # the next step draws a new mask
+    other = list(state)
+    other[names.index("rng:seed")] = torch.tensor(12345)
+    _, (_, d) = step(other, batch)
+    assert not torch.equal(a == 0, d == 0)  # another seed, another mask
+
+
+def test_capture_rng_dropout_statistics_and_gradient_mask() -> None:
+    p = 0.3
+    model = _Dropper(p=p)
+    step, opt, batch = _capture(model)
+    state = step.init_state(model, opt)
+    grads = testing.captured_gradients(step, state, batch)["param:w"]
+    _, (_, out) = step(state, batch)
+    dropped = out == 0
+    assert abs(dropped.float().mean().item() - p) < 0.04
+    kept = ~dropped
+    torch.testing.assert_close(out[kept], (model.w.detach() / (1 - p))[kept])
+    # the backward uses the forward's mask: zero gradient exactly where the output was dropped
+    assert torch.all(grads[dropped] == 0)
+    torch.testing.assert_close(grads[kept], torch.full_like(grads[kept], 1 / (1 - p)))
+
+
+def test_capture_rng_absent_without_randomness() -> None:
+    model = testing.TransformerBlock(dropout=0.2)
+    model.eval()  # dropout off: no random op, no rng slots
+    case = testing.REFERENCE_CASES["transformer"]
+    step = capture_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), case.loss_fn, case.make_batch(0)
+    )
+    assert not [s for s in step.signature.state if s.kind == "rng"]
+    model.train()
+    step = capture_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), case.loss_fn, case.make_batch(0)
+    )
+    assert [s.name for s in step.signature.state if s.kind == "rng"] == ["rng:seed", "rng:offset"]
+
+
+def test_capture_rng_rand_and_randn() -> None:
+    class Noise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4000))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w * x + torch.randn_like(x) + torch.rand(x.shape[0])
+
+    model = Noise()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"x": torch.zeros(4000)}
+    step = capture_train_step(model, opt, _loss, batch)
+    assert step.meta["recir.random_ops"] == ["randn_like", "rand"]
+    state = step.init_state(model, opt)
+    _, (_, out) = step(state, batch)
+    # N(0,1) + U[0,1): mean 0.5, variance 1 + 1/12
+    assert abs(out.mean().item() - 0.5) < 0.1
+    assert abs(out.var().item() - (1 + 1 / 12)) < 0.15
