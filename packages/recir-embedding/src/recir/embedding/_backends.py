@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from recir.transforms import OVERRIDE_KEY, PHASE_KEY, ConfigError, StepGraph, embedding_bag_reference, verify
+from recir.transforms import (
+    OVERRIDE_KEY,
+    PHASE_KEY,
+    ConfigError,
+    Pipeline,
+    StepGraph,
+    embedding_bag_reference,
+    verify,
+)
 from recir.transforms import verify_level as _verify_level
 
 from . import _ops
@@ -165,9 +173,9 @@ def prepare_for_lowering(
     out = _copy(step)
     report: dict[str, Any] = {"backend": name, "target": target}
     if sparse_updates and "recir.optimizer" in out.meta:
-        res = SparsifyUpdate()(out)
-        out = res.step
-        report["sparsify"] = dict(res.stats)
+        pipeline = Pipeline([SparsifyUpdate()], name="recir.embedding.prepare_for_lowering")
+        out = pipeline.run(out)
+        report["sparsify"] = dict(pipeline.records[-1].stats)
     report.update(_apply_backend(out, name, target))
     out.graph.eliminate_dead_code()
     out.graph.lint()

@@ -55,10 +55,11 @@ def _update_fn(
         g = torch.cat(list(xs[k + n_terms : k + 2 * n_terms]))
         shapes = [param.shape] + [s.shape for s in states]
         # A flat table (FBGEMM TBE's 1-D weights) is updated as its [rows, D] view.
-        p2 = param.reshape(rows, dim)
-        s2 = [s.reshape(rows, dim) if s.numel() == rows * dim and s.dim() != 2 else s for s in states]
+        flat = param.dim() != 2
+        p2 = param.reshape(rows, dim) if flat else param
+        s2 = [s.reshape(rows, dim) if flat and s.numel() == rows * dim else s for s in states]
         new = sparse_update(kind, hp, p2, s2, lr_v, step_v, ids, g.to(p2.dtype))
-        return [t.reshape(sh) for t, sh in zip(new, shapes)]
+        return [t.reshape(sh) if tuple(t.shape) != tuple(sh) else t for t, sh in zip(new, shapes)]
 
     return fn
 

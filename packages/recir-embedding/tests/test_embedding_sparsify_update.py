@@ -1,0 +1,137 @@
+"""recir-embed-sparsify-update: graph before/after, numerics against the dense step, negative cases,
+and a deliberately broken rewrite the verifier catches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from recir.embedding import ConfigError, SparsifyUpdate, dedupe, overrides
+from recir.embedding._testing import build_step
+from recir.transforms import Pipeline, VerificationError, apply_overrides, get_transform
+
+aten = torch.ops.aten
+
+
+def _step(helpers, kind, hparams=None):
+    tr = helpers.make_torchrec_model()
+    model, _ = apply_overrides(copy.deepcopy(tr), overrides())
+    batch, _ = helpers.random_batch(torch.Generator().manual_seed(2))
+    return model, batch, build_step(model, helpers.loss_fn, batch, kind, hparams)
+
+
+def _copy(step):
+    import torch.fx as fx
+
+    g = fx.Graph()
+    g.output(g.graph_copy(step.graph, {}))
+    return step.replace(graph_module=fx.GraphModule(step.graph_module, g))
+
+
+TABLE_SHAPES = {(20, 4), (12, 3), (15, 4)}
+
+
+def _table_sized_optimizer_nodes(step):
+    """Optimizer-phase nodes whose value has a table's shape (what makes a step cost O(rows))."""
+    out = []
+    for n in step.graph.nodes:
+        val = n.meta.get("val")
+        is_tensor = isinstance(val, torch.Tensor)
+        if n.meta.get("recir.phase") == "optimizer" and is_tensor and tuple(val.shape) in TABLE_SHAPES:
+            out.append(n.target)
+    return out
+
+
+def test_registered_and_rewrites_the_graph(helpers):
+    assert get_transform("recir-embed-sparsify-update") is SparsifyUpdate
+    model, batch, step = _step(helpers, "adagrad")
+    before = _table_sized_optimizer_nodes(step)
+    assert aten.sqrt.default in before and aten.mul.Tensor in before  # dense Adagrad over whole tables
+    dense = _copy(step)
+    after = Pipeline([SparsifyUpdate()]).run(step)
+    # after: the only table-sized optimizer nodes are the row write-backs (weight and accumulator per table)
+    assert _table_sized_optimizer_nodes(after) == [aten.index_put.default] * 6
+    dense_grads = [
+        n
+        for n in after.graph.nodes
+        if n.target == aten.index_add.default and tuple(n.meta["val"].shape) in TABLE_SHAPES
+    ]
+    assert not dense_grads, "the dense [rows, D] gradients are gone"
+    sorts = [n for n in after.graph.nodes if n.target == aten.sort.default]
+    assert [tuple(n.meta["val"][0].shape) for n in sorts] == [(32,), (16,), (16,)]  # N = ids per table
+    state = dense.init_state(model)
+    want, want_out = dense(state, batch)
+    got, got_out = after(state, batch)
+    torch.testing.assert_close(got_out, want_out)
+    for name, a, b in zip(dense.signature.state_names(), want, got):
+        torch.testing.assert_close(b, a, msg=name)
+
+
+def test_lazy_adam_leaves_untouched_rows_alone(helpers):
+    model, batch, step = _step(helpers, "adam")
+    dense = _copy(step)
+    res = SparsifyUpdate()(step)
+    assert res.changed and len(res.stats["sparsified"]) == 3
+    state = dense.init_state(model)
+    for _ in range(2):  # nonzero moments first, then a batch touching other rows
+        state, _ = res.step(state, batch)
+    names = dense.signature.state_names()
+    w = names.index("param:ebc.embedding_bags.t2.weight")
+    jb = batch["features"]
+    touched = set(jb.segment("f3")[0].tolist())
+    untouched = [r for r in range(12) if r not in touched]
+    start = model.ebc.embedding_bags["t2"].weight.detach()
+    torch.testing.assert_close(state[w][untouched], start[untouched])  # lazy: unchanged
+    dense_state, _ = dense(dense.init_state(model), batch)
+    dense_state, _ = dense(dense_state, batch)
+    torch.testing.assert_close(dense_state[w][untouched], start[untouched])  # zero moments there too
+    torch.testing.assert_close(state[w], dense_state[w])
+
+
+def test_dedupe_static_slots():
+    ids = torch.tensor([5, 2, 5, 9, 2])
+    g = torch.arange(10.0).view(5, 2)
+    rows, summed, source = dedupe(ids, g)
+    assert rows.tolist() == [2, 5, 9, 2, 2]  # 3 unique rows, unused slots repeat slot 0
+    assert source.tolist() == [0, 1, 2, 0, 0]
+    torch.testing.assert_close(summed[:3], torch.tensor([[10.0, 12.0], [4.0, 6.0], [6.0, 7.0]]))
+
+
+def test_negative_cases(helpers):
+    model, batch, step = _step(helpers, "sgd", {"momentum": 0.9})
+    res = SparsifyUpdate()(step)
+    assert not res.changed
+    assert all("momentum" in r for r in res.stats["skipped"].values())
+    no_meta = step.replace(meta={})
+    with pytest.raises(ConfigError, match="no meta\\['recir.optimizer'\\]"):
+        SparsifyUpdate()(no_meta)
+    _, _, small = _step(helpers, "sgd")
+    res = SparsifyUpdate(min_rows=16)(small)
+    assert res.stats["sparsified"] == ["param:ebc.embedding_bags.t1.weight"]
+    _, _, adam = _step(helpers, "adam")
+    assert not SparsifyUpdate(lazy_adam=False)(adam).changed
+
+
+class _BrokenSparsify(SparsifyUpdate):
+    """Writes the new table back as float64: the verifier must catch the dtype change (INV-4)."""
+
+    name = "recir-embed-broken-sparsify"
+
+    def run(self, step):
+        res = super().run(step)
+        out = next(n for n in step.graph.nodes if n.op == "output")
+        first = out.args[0][0]
+        with step.graph.inserting_before(out):
+            bad = step.graph.call_function(aten._to_copy.default, (first,), {"dtype": torch.float64})
+        bad.meta.update(val=first.meta["val"].to(torch.float64), **{"recir.phase": "optimizer"})
+        out.args = ((bad, *out.args[0][1:]),)
+        step.graph_module.recompile()
+        return res
+
+
+def test_verifier_catches_a_broken_rewrite(helpers):
+    _, _, step = _step(helpers, "sgd")
+    with pytest.raises(VerificationError, match="INV-4") as exc:
+        Pipeline([_BrokenSparsify()], verify_level=2).run(step)
+    assert exc.value.transform == "recir-embed-broken-sparsify"
