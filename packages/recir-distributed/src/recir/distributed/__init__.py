@@ -1,5 +1,65 @@
 """recir.distributed: RecIR meshes, parallel modes, sharding plans and collective-inserting transforms."""
 
+from recir.transforms import ConfigError as ConfigError
+from recir.transforms import DataError as DataError
+
+from ._distribute import DISTRIBUTED_META as DISTRIBUTED_META
+from ._distribute import communication_bytes as communication_bytes
+from ._distribute import distribute as distribute
+from ._distribute import distribute_pipeline as distribute_pipeline
+from ._distribute import gather_state as gather_state
+from ._distribute import shard_state as shard_state
+from ._distribute import shard_tensor as shard_tensor
+from ._distribute import split_batch as split_batch
+from ._mesh import Mesh as Mesh
+from ._modes import DataParallel as DataParallel
+from ._modes import EmbeddingSharding as EmbeddingSharding
+from ._modes import FullyShardedDataParallel as FullyShardedDataParallel
+from ._modes import HybridParallel as HybridParallel
+from ._modes import column_wise as column_wise
+from ._modes import row_wise as row_wise
+from ._modes import table_wise as table_wise
+from ._plan import ShardingPlan as ShardingPlan
+from ._plan import local_shape as local_shape
+from ._planner import annotate as annotate
+from ._planner import check_budget as check_budget
+from ._planner import plan as plan
+from ._transforms.allreduce_grads import AllReduceGradients as AllReduceGradients
+from ._transforms.shard_params import ShardParameters as ShardParameters
+from ._transforms.shard_tables import ShardTables as ShardTables
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    # meshes and modes
+    "Mesh",
+    "DataParallel",
+    "FullyShardedDataParallel",
+    "EmbeddingSharding",
+    "HybridParallel",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    # plans
+    "plan",
+    "ShardingPlan",
+    "annotate",
+    "check_budget",
+    "local_shape",
+    # per-device programs and state
+    "distribute",
+    "distribute_pipeline",
+    "DISTRIBUTED_META",
+    "shard_state",
+    "shard_tensor",
+    "gather_state",
+    "split_batch",
+    "communication_bytes",
+    # transforms
+    "AllReduceGradients",
+    "ShardParameters",
+    "ShardTables",
+    # errors
+    "ConfigError",
+    "DataError",
+]

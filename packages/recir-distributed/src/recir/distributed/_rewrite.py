@@ -1,0 +1,97 @@
+"""Graph-editing helpers the collective-inserting transforms share: copying a step, inserting a
+functional collective with its ``wait_tensor``, and recomputing every ``val`` for per-device shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from recir.transforms import PHASE_KEY, SHARDING_KEY, ConfigError, Signature, StateSlot, StepGraph
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+C10D = torch.ops._c10d_functional
+COLLECTIVES = (
+    C10D.all_reduce.default,
+    C10D.reduce_scatter_tensor.default,
+    C10D.all_gather_into_tensor.default,
+    C10D.all_to_all_single.default,
+)
+
+
+def copy_step(step: StepGraph) -> StepGraph:
+    """A copy of ``step`` with its own graph (node metadata copied shallowly), so rewrites leave it intact."""
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(step.graph, val_map)
+    graph.output(out)
+    gm = fx.GraphModule(step.graph_module, graph)
+    return step.replace(graph_module=gm)
+
+
+def collective(
+    graph: fx.Graph,
+    op: Any,
+    args: Sequence[Any],
+    *,
+    phase: str,
+    sharding: dict[str, Any] | None = None,
+) -> fx.Node:
+    """Insert ``wait_tensor(op(*args))`` at the graph's insertion point; returns the wait node."""
+    start = graph.call_function(op, tuple(args))
+    wait = graph.call_function(C10D.wait_tensor.default, (start,))
+    for node in (start, wait):
+        node.meta[PHASE_KEY] = phase
+        if sharding is not None:
+            node.meta[SHARDING_KEY] = dict(sharding)
+    return wait
+
+
+def call(graph: fx.Graph, op: Any, *args: Any, phase: str) -> fx.Node:
+    """Insert one ATen call with a phase (its ``val`` comes from :func:`repropagate`)."""
+    node = graph.call_function(op, tuple(args))
+    node.meta[PHASE_KEY] = phase
+    return node
+
+
+def with_local_state(step: StepGraph, shapes: dict[str, tuple[int, ...]]) -> StepGraph:
+    """The step with some state slots resized to the per-device shapes in ``shapes``."""
+    state = tuple(
+        StateSlot(s.name, s.kind, tuple(shapes[s.name]), s.dtype) if s.name in shapes else s
+        for s in step.signature.state
+    )
+    sig = Signature(
+        state,
+        step.signature.batch,
+        step.signature.outputs,
+        step.signature.batch_spec,
+        step.signature.output_spec,
+    )
+    return step.replace(signature=sig)
+
+
+def repropagate(step: StepGraph, transform: str) -> StepGraph:
+    """Recompute every node's ``val`` from the signature's (per-device) shapes with fake tensors."""
+    step.graph.lint()
+    step.graph_module.recompile()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    phs = [n for n in step.graph.nodes if n.op == "placeholder"]
+    slots = [*step.signature.state, *step.signature.batch]
+    inputs = []
+    with mode:
+        for ph, slot in zip(phs, slots):
+            old = ph.meta.get("val")
+            device = old.device if isinstance(old, torch.Tensor) else torch.device("cpu")
+            inputs.append(torch.empty(slot.shape, dtype=slot.dtype, device=device))
+    try:
+        FakeTensorProp(step.graph_module, mode).propagate_dont_convert_inputs(*inputs)
+    except Exception as exc:
+        raise ConfigError(
+            f"{transform}: the rewritten graph does not type-check with per-device shapes: {exc}. "
+            "A node with a hard-coded global shape reads a sharded value; "
+            "fix: replicate that slot in the plan or report the op."
+        ) from exc
+    return step

@@ -1,0 +1,84 @@
+"""``recir-dist-allreduce-grads``: average the gradient of every replicated parameter over the mesh.
+
+Before::                                  After::
+
+    %g = mm(%t, %x)  # backward               %g = mm(%t, %x)  # backward
+    %p2 = sub(%w, %g)  # optimizer            %ar = _c10d_functional.all_reduce(%g, 'avg', '0')  # backward
+                                              %g_avg = _c10d_functional.wait_tensor(%ar)  # backward
+                                              %p2 = sub(%w, %g_avg)  # optimizer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from recir.transforms import SHARDING_KEY, StepGraph, Transform, TransformResult, register_transform
+
+from .._graphinfo import grad_nodes, require_grads
+from .._rewrite import C10D, collective, copy_step, repropagate
+from ._common import PlanOptions, check_plan_matches
+
+
+@dataclass(frozen=True, eq=False)
+class AllReduceGradientsOptions(PlanOptions):
+    """``average_loss`` also averages the first user output (the loss) so every rank reports the global loss."""
+
+    average_loss: bool = True
+
+
+@register_transform
+class AllReduceGradients(Transform):
+    name: ClassVar[str] = "recir-dist-allreduce-grads"
+    summary: ClassVar[str] = (
+        "all-reduce (mean) the gradient of each replicated parameter at its recir.grad_of node"
+    )
+    Options: ClassVar[type] = AllReduceGradientsOptions
+
+    def requires(self, step: StepGraph) -> None:
+        check_plan_matches(step, self.options.plan, self.options.rank, self.name)
+        require_grads(step, self._targets(step), self.name)
+
+    def _targets(self, step: StepGraph) -> list[str]:
+        plan = self.options.plan
+        return [
+            s.name
+            for s in step.signature.state
+            if s.kind == "param" and plan.slots[s.name].get("grad") == "all_reduce"
+        ]
+
+    def run(self, step: StepGraph) -> TransformResult:
+        plan = self.options.plan
+        targets = self._targets(step)
+        if not targets:
+            return TransformResult(step, False, {"all_reduces": 0})
+        step = copy_step(step)
+        graph = step.graph
+        grads = grad_nodes(step)
+        count = 0
+        for slot in targets:
+            g = grads[slot]
+            with graph.inserting_before(g.next):
+                avg = collective(
+                    graph,
+                    C10D.all_reduce.default,
+                    (g, "avg", plan.group_name),
+                    phase=g.meta["recir.phase"],
+                    sharding={**plan.slots[slot], "role": "gradient"},
+                )
+            g.replace_all_uses_with(avg, delete_user_cb=lambda u, start=avg.args[0]: u is not start)
+            count += 1
+        if self.options.average_loss and step.signature.outputs:
+            out = next(n for n in graph.nodes if n.op == "output")
+            loss = out.args[0][len(step.signature.state)]
+            with graph.inserting_before(out):
+                avg = collective(
+                    graph,
+                    C10D.all_reduce.default,
+                    (loss, "avg", plan.group_name),
+                    phase=loss.meta.get("recir.phase", "forward"),
+                )
+            out.replace_input_with(loss, avg)
+            avg.meta[SHARDING_KEY] = {"placement": "replicate", "role": "loss"}
+        repropagate(step, self.name)
+        return TransformResult(step, True, {"all_reduces": count})

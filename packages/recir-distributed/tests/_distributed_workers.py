@@ -1,0 +1,93 @@
+"""Worker bodies for the multi-process tests: each spawned rank builds its per-device program, trains,
+gathers the state back and compares it with single-process training on the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RECIR_VERIFY="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo CPU processes; a failure in any rank fails the test."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def train_and_compare(rank: int, world: int, kind: str, modes: list[str], steps: int = 10) -> None:
+    """For each mode: train ``steps`` steps distributed, gather, compare params + optimizer state + loss."""
+    import _distributed_models as M
+    import recir.distributed as rd
+
+    local_b = 4
+    if kind == "mlp":
+        local_step, global_step = M.mlp_step(local_b), M.mlp_step(local_b * world)
+        make_batch, params = M.mlp_batch, M.MLP_PARAMS
+    else:
+        local_step, global_step = M.emb_step(local_b), M.emb_step(local_b * world)
+        make_batch, params = M.emb_batch, M.EMB_PARAMS
+    full0 = M.init_state(params)
+
+    # single-process reference on the global batch (the concatenation of every rank's local batch)
+    ref = global_step.load_state_dict(full0)
+    ref_losses = []
+    for k in range(steps):
+        per_rank = [make_batch(local_b, k, seed=1 + r) for r in range(world)]
+        gb = [torch.cat(x) for x in zip(*per_rank)] if kind == "mlp" else M.concat_batches(per_rank)
+        ref, out = global_step(ref, gb)
+        ref_losses.append(float(out[0]))
+    ref_sd = global_step.state_dict(ref)
+
+    mesh = rd.Mesh(axes={"data": world})
+    for mode in modes:
+        plan = rd.plan(local_step, mode, mesh)
+        dstep = rd.distribute(local_step, plan, rank)
+        state = rd.shard_state(plan, dstep, full0, rank)
+        held = sum(t.numel() * t.element_size() for t in state)
+        assert held == plan.bytes_per_device()[rank], (mode, held, plan.bytes_per_device())
+        for slot, t in zip(dstep.signature.state, state):
+            assert tuple(t.shape) == plan.local_shape(slot.name, rank), (mode, slot.name)
+        losses = []
+        for k in range(steps):
+            state, out = dstep(state, make_batch(local_b, k, seed=1 + rank))
+            losses.append(float(out[0]))
+        for slot, t in zip(dstep.signature.state, state):
+            assert tuple(t.shape) == tuple(slot.shape), (mode, slot.name, t.shape)
+        gathered = rd.gather_state(plan, dstep, state)
+        for name, want in ref_sd.items():
+            got = gathered[name]
+            assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (
+                f"{mode}: {name} differs from single-process training by "
+                f"{(got - want).abs().max().item():.3g}"
+            )
+        assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5) for a, b in zip(losses, ref_losses)), (
+            mode,
+            losses,
+            ref_losses,
+        )
+        full_bytes = sum(t.numel() * t.element_size() for t in full0.values())
+        if mode not in ("data_parallel",):
+            assert held < full_bytes, (mode, held, full_bytes)
