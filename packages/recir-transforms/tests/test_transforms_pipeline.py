@@ -125,6 +125,14 @@ def test_dumps_before_and_after(tmp_path, monkeypatch):
     after = (tmp_path / names[0]).read_text()
     assert "%relu = aten.relu(%add)  # forward" in before
     assert "%clamp_min_default = aten.clamp_min(%add, 0.0)  # forward" in after and "aten.relu" not in after
+    # a second pipeline into the same directory continues the numbering
+    Pipeline("recir-cleanup-dce,recir-cleanup-cse").run(step)
+    assert sorted(p.name for p in tmp_path.iterdir())[2:] == [
+        "002-recir-cleanup-dce.after.txt",
+        "002-recir-cleanup-dce.before.txt",
+        "003-recir-cleanup-cse.after.txt",
+        "003-recir-cleanup-cse.before.txt",
+    ]
 
 
 def test_report_is_a_readable_table():

@@ -32,3 +32,23 @@ def test_transforms_imports_torch_only():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import recir.transforms loaded {out.stdout.strip()}"
     importlib.import_module("recir.transforms")
+
+
+def test_transforms_public_surface_is_pinned():
+    # Other packages build on these names: adding one is fine (add it here), removing one breaks them.
+    pinned = {
+        "StepGraph", "Signature", "StateSlot", "BatchSlot", "OutputSlot", "SlotInitializer",
+        "param_buffer_initializer", "format_node", "PHASE_KEY", "PHASES", "REGION_KEY", "SHARDING_KEY",
+        "OVERRIDE_KEY", "PROVENANCE_KEY", "Transform", "TransformResult", "NoOptions", "register_transform",
+        "get_transform", "registered_transforms", "Region", "RegionTransform", "regions_by_phase",
+        "regions_by_pattern", "regions_by_override", "regions_by_id", "Pipeline", "TransformRecord",
+        "parse_pipeline", "parse_transform", "format_transform", "verify", "verify_level", "INVARIANTS",
+        "register_graph_namespace", "format_window", "format_val", "alias_chain", "DeadCodeElimination",
+        "CommonSubexpressionElimination", "phase_split", "PHASE_SPLIT_KEY", "Override", "register_override",
+        "register_override_op", "registered_overrides", "override_for_op", "apply_overrides", "embedding_bag",
+        "embedding_bag_reference", "bag_segment_ids", "CompiledStep", "RecIRError", "VerificationError",
+        "CaptureError", "LoweringError", "ConfigError", "DataError",
+    }  # fmt: skip
+    assert set(rt.__all__) == pinned
+    assert set(rt.INVARIANTS) == {f"INV-{i}" for i in range(1, 8)}
+    assert {"recir-cleanup-dce", "recir-cleanup-cse"} <= set(rt.registered_transforms())

@@ -148,7 +148,7 @@ __all__ = [
     "SHARDING_KEY",
     "OVERRIDE_KEY",
     "PROVENANCE_KEY",
-    # transforms and verification
+    # transforms
     "Transform",
     "TransformResult",
     "NoOptions",

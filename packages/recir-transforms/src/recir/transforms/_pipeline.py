@@ -99,7 +99,8 @@ class Pipeline:
       every transform are verified, so an error names the transform that broke the graph; at 1 only
       the final graph; at 0 nothing.
     - ``disable`` (and env ``RECIR_DISABLE=name,name``) skips transforms by name, to bisect a miscompile.
-    - ``dump_dir`` (or env ``RECIR_DUMP_DIR``) receives ``NNN-<name>.before.txt`` / ``.after.txt``.
+    - ``dump_dir`` (or env ``RECIR_DUMP_DIR``) receives ``NNN-<name>.before.txt`` / ``.after.txt``
+      (NNN continues from the files already there, so successive pipelines never overwrite each other).
     - ``records`` / :meth:`report` give per-transform wall time, node deltas and stats.
     """
 
@@ -156,7 +157,7 @@ class Pipeline:
             if transform.name in disabled:
                 self.records.append(TransformRecord(i, transform.name, "disabled"))
                 continue
-            stem = f"{i:03d}-{transform.name}"
+            stem = f"{_next_dump_number(dump_path):03d}-{transform.name}" if dump_path else ""
             if dump_path is not None:
                 _dump(dump_path / f"{stem}.before.txt", step, f"before {transform!r}")
             before = snapshot(step)
@@ -234,6 +235,12 @@ class Pipeline:
         total = sum(r.seconds for r in self.records)
         lines.append(f"total {total * 1e3:.1f} ms over {len(self.records)} transforms")
         return "\n".join(lines)
+
+
+def _next_dump_number(directory: Path) -> int:
+    """Numbers continue across pipelines sharing a dump directory, so no run overwrites another's."""
+    numbers = [int(p.name.split("-", 1)[0]) for p in directory.glob("[0-9][0-9][0-9]*-*.txt")]
+    return max(numbers, default=0) + 1
 
 
 def _dump(path: Path, step: StepGraph, header: str) -> None:
