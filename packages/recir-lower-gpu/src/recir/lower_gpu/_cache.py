@@ -1,0 +1,46 @@
+"""The persistent compile cache: where Inductor's FX graph cache and AOTAutograd cache live.
+
+Inductor keys both caches by the graph (code, shapes, strides, dtypes, devices, config and torch
+version), so a changed StepGraph never reuses a stale artifact; we only choose the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+# Read once at import: torch writes its own default into TORCHINDUCTOR_CACHE_DIR the first time it
+# asks for the folder, after which a user's setting and torch's default look the same.
+_USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def recir_cache_dir() -> Path:
+    """``$RECIR_CACHE_DIR``, default ``~/.cache/recir``."""
+    raw = os.environ.get("RECIR_CACHE_DIR")
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "recir"
+
+
+def inductor_cache_dir(explicit: str | None = None) -> Path:
+    """The Inductor cache folder: explicit > the user's TORCHINDUCTOR_CACHE_DIR > $RECIR_CACHE_DIR/inductor."""
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    if _USER_INDUCTOR_DIR:
+        return Path(_USER_INDUCTOR_DIR).expanduser()
+    return recir_cache_dir() / "inductor"
+
+
+@contextlib.contextmanager
+def using_cache_dir(path: Path) -> Iterator[None]:
+    """Point Inductor (and Triton, which derives its folder from it) at ``path`` for a block."""
+    path.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old

@@ -1,0 +1,171 @@
+"""``compile(step)``: lower a StepGraph with Inductor (CUDA when present, else the CPU device).
+
+The graph is given to Inductor's ``compile_fx`` (AOTAutograd + Inductor, no Dynamo re-trace) with an
+in-place epilogue, under a fake mode with a shape env so the FX graph and AOTAutograd caches apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from recir.transforms import ConfigError, LoweringError, StepGraph, verify, verify_level
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from ._cache import inductor_cache_dir, recir_cache_dir, using_cache_dir
+from ._cudagraph import CudaGraphStep
+from ._embedding import apply_embedding_backend
+from ._isa import memoize_cpu_isa_probe
+from ._options import GPUOptions
+from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
+from ._step import GPUCompiledStep
+
+log = logging.getLogger("recir.lower_gpu")
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """The device to compile for: explicit, else the current CUDA device, else the CPU."""
+    if device is None:
+        resolved = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"recir.lower_gpu: device {resolved} is not supported; expected cpu or cuda. "
+            "Fix: use recir.lower_tpu for TPUs, or pass device='cuda'/'cpu'."
+        )
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "recir.lower_gpu: device='cuda' but torch.cuda.is_available() is False. "
+                "Fix: install the GPU stack (uv sync --group gpu) on a CUDA machine, or pass device='cpu'."
+            )
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _check_distributed(gm: fx.GraphModule, plan: Any) -> None:
+    collectives = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target.namespace in _COLLECTIVE_NAMESPACES
+    ]
+    if collectives and not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"recir.lower_gpu: the step has {len(collectives)} collective(s) (first: %{collectives[0].name}, "
+            f"{collectives[0].target}) {'from the plan ' if plan is not None else ''}but no torch.distributed "
+            "process group is initialised. Fix: launch with torchrun and call "
+            "torch.distributed.init_process_group() (nccl on CUDA, gloo on CPU) before compiling."
+        )
+
+
+def _fake_inputs(step: StepGraph, device: torch.device, fake_mode: FakeTensorMode) -> list[torch.Tensor]:
+    slots = [*step.signature.state, *step.signature.batch]
+    with fake_mode:
+        return [torch.empty(slot.shape, dtype=slot.dtype, device=device) for slot in slots]
+
+
+def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: FakeTensorMode, patches: dict):
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    context = torch._guards.TracingContext(fake_mode)
+    with (
+        inductor_config.patch(patches),
+        functorch_config.patch(enable_autograd_cache=bool(patches.get("fx_graph_cache", True))),
+        torch._guards.tracing(context),
+    ):
+        return compile_fx(gm, example)
+
+
+def compile(
+    step: StepGraph,
+    plan: Any = None,
+    *,
+    device: torch.device | str | int | None = None,
+    embedding_backend: str | None = None,
+    options: GPUOptions | None = None,
+) -> GPUCompiledStep:
+    """Lower ``step`` with Inductor and return a :class:`GPUCompiledStep` (the ``CompiledStep`` protocol).
+
+    ``plan`` is a recir.distributed ShardingPlan (or None): its collectives are graph nodes that run on
+    the initialised torch.distributed process group. ``embedding_backend`` picks recir-embedding's
+    backend (default: the override ops' runtime kernels; ``in_graph`` lowers them to ATen).
+    """
+    options = options if options is not None else GPUOptions()
+    if not isinstance(step, StepGraph):
+        raise ConfigError(f"recir.lower_gpu.compile expects a StepGraph, got {type(step).__name__}")
+    if step.dynamic:
+        raise LoweringError(
+            "recir.lower_gpu: dynamic StepGraphs are not lowered yet (the GPU path compiles static "
+            "shapes). Fix: capture with mode='static' and pad or bucket batches to fixed shapes."
+        )
+    if verify_level() >= 1:
+        verify(step)
+    dev = resolve_device(device)
+    use_graphs = options.use_cuda_graphs(dev.type)
+    if use_graphs and not options.in_place:
+        raise ConfigError(
+            "GPUOptions: CUDA graphs need in_place=True (state at fixed addresses). "
+            "Fix: set cuda_graphs=False or in_place=True."
+        )
+    started = time.perf_counter()
+    prepared, backend = apply_embedding_backend(step, embedding_backend, dev)
+    gm = copy_graph_module(prepared.graph_module)
+    retarget_devices(gm, dev)
+    _check_distributed(gm, plan)
+    check_kernels(gm, dev)
+    num_state = len(step.signature.state)
+    if options.in_place:
+        gm = add_in_place_epilogue(gm, num_state)
+    cache_dir = inductor_cache_dir(options.cache_dir)
+    where = "CUDA" if dev.type == "cuda" else "the CPU device (no CUDA device in use)"
+    log.info(
+        "recir.lower_gpu: compiling a %d-node StepGraph with Inductor for %s (%s), mode %s, cache %s",
+        len(prepared.graph.nodes),
+        where,
+        dev,
+        options.mode,
+        cache_dir if options.cache else "off",
+    )
+    if dev.type == "cpu" and options.memoize_cpu_isa_probe:
+        memoize_cpu_isa_probe(recir_cache_dir())
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    with using_cache_dir(cache_dir):
+        try:
+            fn = _compile_fx(
+                gm, _fake_inputs(prepared, dev, fake_mode), fake_mode, options.inductor_patches(dev.type)
+            )
+        except LoweringError:
+            raise
+        except Exception as exc:
+            raise LoweringError(
+                f"recir.lower_gpu: Inductor failed to compile the step for {dev}: "
+                f"{type(exc).__name__}: {exc}\nFix: run the step eagerly (step(state, batch)) to check "
+                "it, retry with GPUOptions(mode='default'), or report the op named above."
+            ) from exc
+    seconds = time.perf_counter() - started
+    log.info("recir.lower_gpu: compiled in %.2f s", seconds)
+    graphs = CudaGraphStep(fn, dev) if use_graphs else None
+    return GPUCompiledStep(
+        step=prepared,
+        device=dev,
+        options=options,
+        plan=plan,
+        embedding_backend=backend,
+        fn=fn,
+        cuda_graph=graphs,
+        compile_seconds=seconds,
+        cache_dir=cache_dir,
+    )

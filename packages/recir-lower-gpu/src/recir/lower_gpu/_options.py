@@ -1,0 +1,67 @@
+"""GPUOptions: what a user tunes when lowering a StepGraph with Inductor, with safe defaults.
+
+Each option maps to an Inductor config patch or to a behaviour of the compiled step; nothing here
+reads global configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from recir.transforms import ConfigError
+
+InductorMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
+INDUCTOR_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUOptions:
+    """Options of :func:`recir.lower_gpu.compile`.
+
+    - ``mode``: Inductor mode. ``reduce-overhead`` is ``default`` plus CUDA graphs on CUDA;
+      ``max-autotune-no-cudagraphs`` autotunes matmul/conv templates (slow compile, faster GEMMs).
+    - ``cuda_graphs``: replay the whole step as one CUDA graph on CUDA (batches are copied into
+      static buffers). ``None`` means "on with mode reduce-overhead, else off". Ignored on CPU.
+    - ``in_place``: update state through the signature's state-in/state-out pairing (a ``copy_``
+      epilogue Inductor fuses into the kernels that compute the new state), so a step allocates no
+      second persistent copy of parameters or optimizer state. ``False`` returns fresh state tensors.
+    - ``cache``: use Inductor's FX graph cache and AOTAutograd cache on disk.
+    - ``cache_dir``: the Inductor cache folder; ``None`` means ``$TORCHINDUCTOR_CACHE_DIR`` if the
+      user set it, else ``$RECIR_CACHE_DIR/inductor`` (default ``~/.cache/recir/inductor``).
+    - ``memoize_cpu_isa_probe``: keep the result of Inductor's CPU SIMD probe (it builds and loads a
+      test library per ISA in a fresh Python, seconds each, in every process) in ``$RECIR_CACHE_DIR``.
+    - ``inductor_config``: extra ``torch._inductor.config`` patches (name -> value), applied last.
+    """
+
+    mode: InductorMode = "default"
+    cuda_graphs: bool | None = None
+    in_place: bool = True
+    cache: bool = True
+    cache_dir: str | None = None
+    memoize_cpu_isa_probe: bool = True
+    inductor_config: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in INDUCTOR_MODES:
+            raise ConfigError(
+                f"GPUOptions.mode: expected one of {INDUCTOR_MODES}, got {self.mode!r}. "
+                "Fix: use 'reduce-overhead' for CUDA graphs or 'max-autotune-no-cudagraphs' for GEMM tuning."
+            )
+        if isinstance(self.inductor_config, dict):
+            object.__setattr__(self, "inductor_config", tuple(sorted(self.inductor_config.items())))
+
+    def use_cuda_graphs(self, device_type: str) -> bool:
+        if device_type != "cuda":
+            return False
+        return self.mode == "reduce-overhead" if self.cuda_graphs is None else self.cuda_graphs
+
+    def inductor_patches(self, device_type: str) -> dict[str, Any]:
+        """The ``torch._inductor.config`` patches these options imply for ``device_type``."""
+        patches: dict[str, Any] = {"fx_graph_cache": self.cache}
+        if self.mode == "max-autotune-no-cudagraphs":
+            patches.update(max_autotune=True, coordinate_descent_tuning=True)
+        # CUDA graphs are ours (the whole step, state at fixed addresses), never Inductor's.
+        patches["triton.cudagraphs"] = False
+        patches.update(dict(self.inductor_config))
+        return patches

@@ -1,0 +1,122 @@
+"""GPUCompiledStep: a StepGraph compiled by Inductor, implementing recir.transforms' CompiledStep.
+
+State is a flat list of device tensors in signature order; a step updates it in place (unless
+``GPUOptions(in_place=False)``) and returns the same list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from recir.transforms import ConfigError, StepGraph
+from torch import nn
+
+from ._cudagraph import CudaGraphStep
+from ._options import GPUOptions
+
+
+class GPUCompiledStep:
+    """One compiled training step. ``state, outputs = compiled(state, batch)``; the loss is ``outputs[0]``."""
+
+    def __init__(
+        self,
+        *,
+        step: StepGraph,
+        device: torch.device,
+        options: GPUOptions,
+        plan: Any,
+        embedding_backend: str,
+        fn: Callable[..., Sequence[torch.Tensor]],
+        cuda_graph: CudaGraphStep | None,
+        compile_seconds: float,
+        cache_dir: Path,
+    ) -> None:
+        self.step = step
+        self.device = device
+        self.options = options
+        self.plan = plan
+        self.embedding_backend = embedding_backend
+        self.cache_dir = cache_dir
+        self._fn = fn
+        self._cuda_graph = cuda_graph
+        self._compile_seconds = compile_seconds
+        self._num_state = len(step.signature.state)
+        self._checked_state: tuple[int, ...] | None = None
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent preparing and compiling (a warm Inductor cache makes this small)."""
+        return self._compile_seconds
+
+    @property
+    def in_place(self) -> bool:
+        return self.options.in_place
+
+    # -- state -------------------------------------------------------------------------------------
+    def _to_device(self, tensors: Sequence[torch.Tensor], *, copy: bool) -> list[torch.Tensor]:
+        out = []
+        for t in tensors:
+            t = t.detach()
+            if copy or t.device != self.device:
+                t = t.to(self.device, copy=True)
+            out.append(t.contiguous())
+        return out
+
+    def init_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> list[torch.Tensor]:
+        """Fresh device tensors (never aliasing the model or optimizer) in signature order."""
+        # step.init_state already copies; moving to the device copies only when the device differs.
+        return self._to_device(self.step.init_state(model, optimizer), copy=False)
+
+    def state_dict(self, state: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Slot name -> the live state tensor (updated in place by later steps; clone to snapshot)."""
+        return self.step.state_dict(state)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Device state from slot name -> tensor; copies, so later in-place steps never touch ``state_dict``."""
+        return self._to_device(self.step.load_state_dict(state_dict), copy=True)
+
+    def _check_state(self, state: Sequence[torch.Tensor]) -> None:
+        if len(state) != self._num_state:
+            raise ConfigError(
+                f"compiled step expects {self._num_state} state tensors (signature order), got {len(state)}. "
+                "Fix: build state with compiled.init_state(model, optimizer) or compiled.load_state_dict(sd)."
+            )
+        key = tuple(t.data_ptr() for t in state)
+        if key == self._checked_state:
+            return
+        for slot, t in zip(self.step.signature.state, state):
+            if t.device != self.device or t.dtype != slot.dtype or tuple(t.shape) != slot.shape:
+                raise ConfigError(
+                    f"state {slot.name!r}: expected {slot.dtype}{list(slot.shape)} on {self.device}, "
+                    f"got {t.dtype}{list(t.shape)} on {t.device}. Fix: build state with "
+                    "compiled.init_state(...) or compiled.load_state_dict(...)."
+                )
+            if not t.is_contiguous():
+                raise ConfigError(f"state {slot.name!r} is not contiguous. Fix: pass t.contiguous().")
+        self._checked_state = key
+
+    # -- running -------------------------------------------------------------------------------------
+    def __call__(self, state: Sequence[torch.Tensor], batch: Any) -> tuple[Any, Any]:
+        """One training step: ``(state, outputs)``. In place: the returned state is ``state`` itself."""
+        self._check_state(state)
+        flat = self.step.signature.flatten_batch(batch)
+        flat = [t.to(self.device, non_blocking=True).contiguous() for t in flat]
+        if not self.options.in_place:
+            out = list(self._fn(*state, *flat))
+            return out[: self._num_state], self.step.unflatten_outputs(out[self._num_state :])
+        if self._cuda_graph is not None:
+            outputs = self._cuda_graph(state, flat)
+        else:
+            outputs = list(self._fn(*state, *flat))
+        return state, self.step.unflatten_outputs(outputs)
+
+    def __repr__(self) -> str:
+        return (
+            f"GPUCompiledStep(device={self.device}, mode={self.options.mode}, in_place={self.in_place}, "
+            f"embedding_backend={self.embedding_backend}, compile_seconds={self._compile_seconds:.2f})"
+        )
