@@ -19,6 +19,9 @@ from ._errors import (
 from ._errors import (
     VerificationError as VerificationError,
 )
+from ._graph_util import alias_chain as alias_chain
+from ._graph_util import format_val as format_val
+from ._graph_util import format_window as format_window
 from ._ops import (
     bag_segment_ids as bag_segment_ids,
 )
@@ -50,9 +53,9 @@ from ._phase_split import PHASE_SPLIT_KEY as PHASE_SPLIT_KEY
 from ._phase_split import phase_split as phase_split
 from ._pipeline import Pipeline as Pipeline
 from ._pipeline import TransformRecord as TransformRecord
-from ._pipeline import format_transform as format_transform
-from ._pipeline import parse_pipeline as parse_pipeline
-from ._pipeline import parse_transform as parse_transform
+from ._pipeline_text import format_transform as format_transform
+from ._pipeline_text import parse_pipeline as parse_pipeline
+from ._pipeline_text import parse_transform as parse_transform
 from ._region import Region as Region
 from ._region import RegionTransform as RegionTransform
 from ._region import regions_by_id as regions_by_id
@@ -122,9 +125,6 @@ from ._transform import (
 from ._transforms import CommonSubexpressionElimination as CommonSubexpressionElimination
 from ._transforms import DeadCodeElimination as DeadCodeElimination
 from ._verify import INVARIANTS as INVARIANTS
-from ._verify import alias_chain as alias_chain
-from ._verify import format_val as format_val
-from ._verify import format_window as format_window
 from ._verify import register_graph_namespace as register_graph_namespace
 from ._verify import verify as verify
 from ._verify import verify_level as verify_level

@@ -10,9 +10,9 @@ from typing import Literal
 import torch.fx as fx
 
 from ._errors import ConfigError
+from ._graph_util import alias_chain
 from ._signature import OutputSlot, Signature
 from ._step import PHASE_KEY, PHASES, StepGraph, format_node
-from ._verify import alias_chain
 
 PHASE_SPLIT_KEY = "recir.phase_split"
 

@@ -14,10 +14,10 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ._errors import ConfigError
+from ._graph_util import format_val, format_window
 from ._override import override_for_op
 from ._step import OVERRIDE_KEY, PHASE_KEY, PHASES, PROVENANCE_KEY, REGION_KEY, StepGraph
 from ._transform import Transform, TransformResult
-from ._verify import format_val, format_window
 
 
 class Region:

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .._graph_util import alias_chain
 from .._step import OVERRIDE_KEY, PHASE_KEY, PHASES, REGION_KEY, SHARDING_KEY, StepGraph
 from .._transform import Transform, TransformResult, register_transform
-from .._verify import alias_chain
 from .dce import is_random
 
 # Namespaces whose ops are never merged: collectives are scheduled by recir-distributed.

@@ -1,0 +1,98 @@
+"""Graph helpers shared by the verifier and the transforms: alias analysis through view ops, and
+readable formatting of values and graph windows.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ._step import _fmt_val, format_node
+
+# Views that return their input unchanged: a frozen slot may be returned through them.
+_IDENTITY_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def format_val(val: Any) -> str:
+    """``float32[4, 8]`` for a tensor, a tuple of those for multi-output nodes, ``repr`` otherwise."""
+    return "None" if val is None else _fmt_val(val)
+
+
+def format_window(graph: fx.Graph, node: fx.Node | None, radius: int = 6) -> str:
+    """The graph's lines around ``node`` (marked ``>>>``), with elision marks; the head if node is None."""
+    nodes = list(graph.nodes)
+    idx = nodes.index(node) if node is not None and node in nodes else 0
+    lo, hi = max(0, idx - radius), min(len(nodes), idx + radius + 1)
+    lines = [
+        f"graph around {'%' + node.name if node is not None else 'the start'} "
+        f"(nodes {lo}-{hi - 1} of {len(nodes)}):"
+    ]
+    if lo > 0:
+        lines.append("      ...")
+    for i in range(lo, hi):
+        mark = ">>> " if node is not None and nodes[i] is node else "    "
+        lines.append(f"  {mark}{format_node(nodes[i], vals=True)}")
+    if hi < len(nodes):
+        lines.append("      ...")
+    return "\n".join(lines)
+
+
+def alias_chain(node: fx.Node) -> list[fx.Node]:
+    """``node``, then each tensor it is a view of, back to the base that owns the memory."""
+    chain = [node]
+    while node.op == "call_function":
+        src: fx.Node | None = None
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            parent = node.args[0]
+            if isinstance(parent.target, torch._ops.OpOverload) and _view_source(parent) is not None:
+                src = _view_source(parent)
+        elif isinstance(node.target, torch._ops.OpOverload):
+            src = _view_source(node)
+        if src is None:
+            break
+        chain.append(src)
+        node = src
+    return chain
+
+
+def _alias_base(node: fx.Node) -> tuple[fx.Node, bool]:
+    """Follow view ops back to the tensor ``node`` aliases; also whether every view was an identity view."""
+    identity = True
+    while node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and isinstance(node.args[0], fx.Node):
+            parent = node.args[0]
+            if isinstance(parent.target, torch._ops.OpOverload) and _view_source(parent) is not None:
+                node, identity = parent, False
+                continue
+            return node, identity
+        if not isinstance(target, torch._ops.OpOverload):
+            return node, identity
+        src = _view_source(node)
+        if src is None:
+            return node, identity
+        identity = identity and target in _IDENTITY_VIEWS
+        node = src
+    return node, identity
+
+
+def _view_source(node: fx.Node) -> fx.Node | None:
+    """The argument a view op's result aliases (alias annotation without write), else None."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    ret_sets: set[str] = set()
+    for ret in schema.returns:
+        if ret.alias_info is not None and not ret.alias_info.is_write:
+            ret_sets |= set(ret.alias_info.before_set)
+    if not ret_sets:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not (set(info.before_set) & ret_sets):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            return value
+    return None
