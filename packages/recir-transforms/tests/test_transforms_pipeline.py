@@ -110,8 +110,10 @@ def test_disable_by_name_and_env(monkeypatch):
     pipe.run(step)
     assert [r.status for r in pipe.records] == ["disabled", "disabled"]
     assert "disabled" in pipe.report()
-    monkeypatch.setenv("RECIR_DISABLE", "recir-no-such-thing")
     with pytest.raises(ConfigError, match="recir-no-such-thing"):
+        Pipeline([ReluToClamp()], disable={"recir-no-such-thing"}).run(step)
+    monkeypatch.setenv("RECIR_DISABLE", "recir-no-such-thing")
+    with pytest.warns(UserWarning, match="recir-no-such-thing"):
         Pipeline([ReluToClamp()]).run(step)
 
 

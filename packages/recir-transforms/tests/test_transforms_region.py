@@ -58,6 +58,19 @@ def test_region_entries_exits_and_replace():
     _assert_same_run(step, ref, state, batch)
 
 
+def test_region_entries_sharing_one_val_stay_distinct():
+    step, state, batch = mlp_sgd_step()
+    ref, _, _ = mlp_sgd_step()
+    w1, m1 = _named(step, "detach_1", "optim_fc1_weight_momentum_buffer")
+    m1.meta["val"] = w1.meta["val"]  # same shape: one FakeTensor object for two different values
+    (sub,) = (n for n in step.graph.nodes if n.name == "sub_1")  # fc1.weight - lr * momentum'
+    region = Region(step, [*_named(step, "mul_4", "add_1", "mul_7"), sub])
+    assert region.inputs[:2] == [m1, _named(step, "mm_4")[0]] and w1 in region.inputs
+    region.replace(lambda m, g, w: (0.9 * m + g, w - 0.1 * (0.9 * m + g)))
+    verify(step, level=2)
+    _assert_same_run(step, ref, state, batch)
+
+
 def test_region_rejects_non_convex_and_wrong_replacements():
     step, _, _ = mlp_sgd_step()
     with pytest.raises(ConfigError, match="not convex"):

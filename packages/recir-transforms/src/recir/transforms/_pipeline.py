@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,10 +144,20 @@ class Pipeline:
     def run(self, step: StepGraph) -> StepGraph:
         level = verify_level() if self.verify_level is None else self.verify_level
         self._level_used = level
-        disabled = self.disable | _env_disabled()
-        unknown = disabled - {t.name for t in self.transforms} - set(registered_names())
-        if unknown:
-            raise ConfigError(f"{self.name}: cannot disable unknown transform(s) {sorted(unknown)}")
+        known = {t.name for t in self.transforms} | set(registered_names())
+        if self.disable - known:
+            raise ConfigError(
+                f"{self.name}: cannot disable unknown transform(s) {sorted(self.disable - known)}; "
+                f"registered: {', '.join(sorted(known))}"
+            )
+        env = _env_disabled()
+        if env - known:  # RECIR_DISABLE is process-wide: the transform may live in a module not imported yet
+            warnings.warn(
+                f"RECIR_DISABLE names transform(s) {sorted(env - known)} that are not registered (yet); "
+                "check the spelling",
+                stacklevel=2,
+            )
+        disabled = self.disable | env
         dump = self.dump_dir if self.dump_dir is not None else os.environ.get("RECIR_DUMP_DIR") or None
         dump_path = Path(dump) if dump else None
         if dump_path is not None:
@@ -229,8 +240,7 @@ class Pipeline:
         lines = [f"{self.name}: {self} (RECIR_VERIFY={self._level_used})"]
         for row in rows:
             cells = [
-                row[c].ljust(widths[c]) if c < 2 or c == 2 else row[c].rjust(widths[c])
-                for c in range(len(widths))
+                row[c].ljust(widths[c]) if c <= 2 else row[c].rjust(widths[c]) for c in range(len(widths))
             ]
             lines.append("  ".join(cells + [row[-1]]).rstrip())
         total = sum(r.seconds for r in self.records)

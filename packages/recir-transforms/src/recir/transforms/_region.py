@@ -227,7 +227,10 @@ def _trace(
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     with fake_mode:
-        return make_fx(flat, decomposition_table=decompositions or {})(*vals)
+        # fresh tensors per entry: make_fx tracks tensors by identity, so one val object shared by two
+        # entries (node_copy shares meta) would silently bind both to one placeholder
+        args = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
+        return make_fx(flat, decomposition_table=decompositions or {})(*args)
 
 
 # -- finding regions ---------------------------------------------------------------------------------
