@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _postprocess as post
-from ._functional_optim import ParamOptim, apply_update
+from ._functional_optim import ParamOptim, apply_update, group_scalars
 from ._lr import LR_SLOTS_META
 from ._model_copy import bind_tensors, prepare_model
 from ._optim_map import group_learning_rates, optimizer_specs
@@ -164,7 +164,12 @@ def _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in) -> None
     step = None
     if STEP_SLOT in index:
         step = out[index[STEP_SLOT]] = st[index[STEP_SLOT]] + 1
-    for (name, _, spec), grad in zip(trainable, grads):
+    scalars = {}  # shared by a group's parameters, computed before any per-parameter range
+    for (_, p, spec), grad in zip(trainable, grads):
+        key = (spec.group, p.dtype)
+        if grad is not None and key not in scalars:
+            scalars[key] = group_scalars(spec, st[index[lr_slot(spec.group)]], step, p.dtype)
+    for (name, p, spec), grad in zip(trainable, grads):
         if grad is None:
             rec.unused.append(name)
             continue
@@ -172,7 +177,9 @@ def _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in) -> None
         start = len(graph.nodes)
         state = {k: st[index[optim_slot(name, k)]] for k in spec.state_keys}
         lr = st[index[lr_slot(spec.group)]]
-        new_p, new_state = apply_update(spec, p_in[name].detach(), grad, state, lr, step)
+        new_p, new_state = apply_update(
+            spec, p_in[name].detach(), grad, state, lr, step, scalars[(spec.group, p.dtype)]
+        )
         out[index[f"param:{name}"]] = new_p
         for k, v in new_state.items():
             out[index[optim_slot(name, k)]] = v

@@ -56,6 +56,33 @@ def _f64(x: Tensor) -> Tensor:
     return x.to(torch.float64)
 
 
+def group_scalars(spec: ParamOptim, lr: Tensor, step: Tensor | None, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The per-group scalar tensors of an update (bias corrections, effective lr), computed once per group.
+
+    Like torch.optim's Python-float scalars they are formed in float64, then cast to the parameter dtype.
+    """
+    h = spec.hparams
+    lr64 = _f64(lr)
+    if spec.kind in ("adam", "adamw"):
+        assert step is not None
+        beta1, beta2 = h["betas"]
+        step64 = _f64(step)
+        out = {
+            "step_size": (lr64 / (1 - torch.pow(beta1, step64))).to(dtype),
+            "bc2_sqrt": (1 - torch.pow(beta2, step64)).sqrt().to(dtype),
+        }
+        if spec.kind == "adamw" and h["weight_decay"] != 0:
+            out["decay"] = (1 - lr64 * h["weight_decay"]).to(dtype)
+        return out
+    if spec.kind == "adagrad":
+        assert step is not None
+        return {"clr": (lr64 / (1 + (_f64(step) - 1) * h["lr_decay"])).to(dtype)}
+    if spec.kind == "sgd" and spec.needs_step:
+        assert step is not None
+        return {"lr": lr.to(dtype), "first": step <= 1}
+    return {"lr": lr.to(dtype)}
+
+
 def apply_update(
     spec: ParamOptim,
     param: Tensor,
@@ -63,82 +90,86 @@ def apply_update(
     state: dict[str, Tensor],
     lr: Tensor,
     step: Tensor | None,
+    scalars: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """One parameter's update. ``step`` is the already-incremented float32 step count (as torch.optim)."""
+    """One parameter's update. ``step`` is the already-incremented float32 step count (as torch.optim).
+
+    ``scalars`` (from :func:`group_scalars`) may be passed to share them across a group's parameters.
+    """
+    if scalars is None:
+        scalars = group_scalars(spec, lr, step, param.dtype)
     h = spec.hparams
+    g = -grad if h["maximize"] else grad
     if spec.kind == "sgd":
-        return _sgd(param, grad, state, lr, step, h)
+        return _sgd(param, g, state, scalars, h)
     if spec.kind in ("adam", "adamw"):
-        assert step is not None
-        return _adam(param, grad, state, lr, step, h, decoupled=spec.kind == "adamw")
+        return _adam(param, g, state, scalars, h, decoupled=spec.kind == "adamw")
     if spec.kind == "adagrad":
-        assert step is not None
-        return _adagrad(param, grad, state, lr, step, h)
+        return _adagrad(param, g, state, scalars, h)
     if spec.kind == "rowwise_adagrad":
         new_param, new_sum = rowwise_adagrad_update(
             param,
-            grad,
+            g,
             state["sum"],
-            lr=lr.to(param.dtype),
+            lr=scalars["lr"],
             eps=h["eps"],
             weight_decay=h["weight_decay"],
-            maximize=h["maximize"],
+            maximize=False,
         )
         return new_param, {"sum": new_sum}
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 
-def _sgd(param, grad, state, lr, step, h):
-    g = -grad if h["maximize"] else grad
+# The updates below spell out torch.optim's fused CPU kernels in the same evaluation order:
+# add(a, b, alpha) = a + alpha * b; addcmul(a, x, y, value) = a + value * x * y; lerp with weight w < 0.5
+# = a + w * (b - a), else b - (b - a) * (1 - w).
+
+
+def _sgd(param, g, state, sc, h):
     if h["weight_decay"] != 0:
-        g = torch.add(g, param, alpha=h["weight_decay"])
+        g = g + h["weight_decay"] * param
     new_state: dict[str, Tensor] = {}
     momentum = h["momentum"]
     if momentum != 0:
         buf = state["momentum_buffer"]
         if h["dampening"] != 0:
-            general = torch.add(buf * momentum, g, alpha=1 - h["dampening"])
-            buf = torch.where(step <= 1, g, general)
+            # torch.optim's first step sets buf = grad (no dampening), later ones dampen
+            buf = torch.where(sc["first"], g, buf * momentum + (1 - h["dampening"]) * g)
         else:
-            # torch.optim sets buf = grad on the first step; buf starts at zero here and
-            # 0 * momentum + grad == grad exactly, so no step count is needed.
+            # buf starts at zero here and 0 * momentum + grad == grad exactly: no step count needed
             buf = buf * momentum + g
         new_state["momentum_buffer"] = buf
-        g = torch.add(g, buf, alpha=momentum) if h["nesterov"] else buf
-    return param - lr.to(param.dtype) * g, new_state
+        g = g + momentum * buf if h["nesterov"] else buf
+    return param - sc["lr"] * g, new_state
 
 
-def _adam(param, grad, state, lr, step, h, *, decoupled):
+def _lerp(a: Tensor, b: Tensor, w: float) -> Tensor:
+    return a + w * (b - a) if abs(w) < 0.5 else b - (b - a) * (1 - w)
+
+
+def _adam(param, g, state, sc, h, *, decoupled):
     beta1, beta2 = h["betas"]
-    g = -grad if h["maximize"] else grad
     wd = h["weight_decay"]
     if wd != 0:
         if decoupled:
-            param = param * (1 - _f64(lr) * wd).to(param.dtype)
+            param = param * sc["decay"]
         else:
-            g = torch.add(g, param, alpha=wd)
-    exp_avg = torch.lerp(state["exp_avg"], g, 1 - beta1)
-    exp_avg_sq = torch.addcmul(state["exp_avg_sq"] * beta2, g, g, value=1 - beta2)
-    step64 = _f64(step)
-    bias_correction1 = 1 - torch.pow(beta1, step64)
-    bias_correction2 = 1 - torch.pow(beta2, step64)
-    step_size = (_f64(lr) / bias_correction1).to(param.dtype)
-    bc2_sqrt = bias_correction2.sqrt().to(param.dtype)
+            g = g + wd * param
+    exp_avg = _lerp(state["exp_avg"], g, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
     new_state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if h["amsgrad"]:
         max_sq = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
         new_state["max_exp_avg_sq"] = max_sq
-        denom = max_sq.sqrt() / bc2_sqrt + h["eps"]
+        denom = max_sq.sqrt() / sc["bc2_sqrt"] + h["eps"]
     else:
-        denom = exp_avg_sq.sqrt() / bc2_sqrt + h["eps"]
-    return param - step_size * (exp_avg / denom), new_state
+        denom = exp_avg_sq.sqrt() / sc["bc2_sqrt"] + h["eps"]
+    return param - sc["step_size"] * (exp_avg / denom), new_state
 
 
-def _adagrad(param, grad, state, lr, step, h):
-    g = -grad if h["maximize"] else grad
+def _adagrad(param, g, state, sc, h):
     if h["weight_decay"] != 0:
-        g = torch.add(g, param, alpha=h["weight_decay"])
-    clr = (_f64(lr) / (1 + (_f64(step) - 1) * h["lr_decay"])).to(param.dtype)
-    new_sum = torch.addcmul(state["sum"], g, g, value=1)
+        g = g + h["weight_decay"] * param
+    new_sum = state["sum"] + g * g
     std = new_sum.sqrt() + h["eps"]
-    return param - clr * (g / std), {"sum": new_sum}
+    return param - sc["clr"] * (g / std), {"sum": new_sum}
