@@ -228,3 +228,14 @@ def test_capture_graph_params_outside_optimizer_stay_fixed() -> None:
         assert torch.equal(sd_old[frozen], sd_new[frozen]), frozen
     assert not torch.equal(sd_old["param:fc2.weight"], sd_new["param:fc2.weight"])
     assert "param:out.weight" not in step.meta[OPTIMIZER_META]
+
+
+def test_capture_graph_dynamic_batch_dimension() -> None:
+    case = testing.REFERENCE_CASES["mlp"]
+    model = case.build(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = capture_train_step(model, opt, case.loss_fn, case.make_batch(0), mode="dynamic")
+    assert step.dynamic
+    bigger = {"x": torch.randn(7, 8), "y": torch.randn(7)}  # captured with 4 rows
+    out = step.graph_module(*step.init_state(model, opt), bigger["x"], bigger["y"])
+    torch.testing.assert_close(out[-1], case.loss_fn(model, bigger))

@@ -119,6 +119,7 @@ def capture_train_step(
             wrt = [p_in[n] for n, _, _ in trainable]
             with torch.enable_grad():
                 grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+            grads = _distinct_grad_nodes(rec, trainable, grads)
 
             # optimizer
             rec.marks["optimizer"] = len(graph.nodes)
@@ -173,7 +174,6 @@ def _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in) -> None
         if grad is None:
             rec.unused.append(name)
             continue
-        rec.grad_nodes[f"param:{name}"] = node_of(grad)
         start = len(graph.nodes)
         state = {k: st[index[optim_slot(name, k)]] for k in spec.state_keys}
         lr = st[index[lr_slot(spec.group)]]
@@ -185,6 +185,26 @@ def _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in) -> None
             out[index[optim_slot(name, k)]] = v
         rec.param_ranges.append((f"param:{name}", start, len(graph.nodes)))
     out[index[RNG_OFFSET_SLOT]] = st[index[RNG_OFFSET_SLOT]] + 1
+
+
+def _distinct_grad_nodes(rec: Recorder, trainable, grads) -> list[torch.Tensor | None]:
+    """Give each parameter's gradient its own node (``recir.grad_of`` names one parameter per node).
+
+    A gradient that is a graph input (``loss = (w * x).sum()``) or shared by two parameters is cloned.
+    """
+    out: list[torch.Tensor | None] = []
+    claimed: set[fx.Node] = set()
+    for (name, _, _), grad in zip(trainable, grads):
+        if grad is not None:
+            node = node_of(grad)
+            if node is None or node.op == "placeholder" or node in claimed:
+                grad = grad.clone()
+                node = node_of(grad)
+            if node is not None:
+                claimed.add(node)
+                rec.grad_nodes[f"param:{name}"] = node
+        out.append(grad)
+    return out
 
 
 def _finish_graph(gm: fx.GraphModule, rec: Recorder, slots: list[StateSlot], batch_names: list[str]):
