@@ -202,3 +202,17 @@ def emb_step(batch_size: int) -> StepGraph:
     names = ["dense", "user_ids", "user_offsets", "item_ids", "item_offsets", "label"]
     batch = {n: (r, t) for n, r, t in zip(names, roles, example)}
     return trace(_emb_step, _state_spec(EMB_PARAMS), batch, len(EMB_PARAMS), ["loss"])
+
+
+def collective_lines(step: StepGraph) -> str:
+    """The collectives of a graph and the nodes that consume them, one ``format_node`` line each."""
+    from recir.transforms import format_node
+
+    lines = []
+    for node in step.graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional":
+            lines.append(format_node(node))
+            if target.__name__.startswith("wait_tensor"):
+                lines += ["  -> " + format_node(u) for u in node.users]
+    return "\n".join(lines)

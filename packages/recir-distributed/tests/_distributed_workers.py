@@ -37,8 +37,17 @@ def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
     mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
-def train_and_compare(rank: int, world: int, kind: str, modes: list[str], steps: int = 10) -> None:
-    """For each mode: train ``steps`` steps distributed, gather, compare params + optimizer state + loss."""
+def train_and_compare_all(rank: int, world: int, cases: list[tuple[str, list[Any], int]]) -> None:
+    """Several ``(kind, modes, steps)`` cases in one spawn (each spawn costs a torch import per rank)."""
+    for kind, modes, steps in cases:
+        train_and_compare(rank, world, kind, modes, steps)
+
+
+def train_and_compare(rank: int, world: int, kind: str, modes: list[Any], steps: int = 10) -> None:
+    """For each mode: train ``steps`` steps distributed, gather, compare params + optimizer state + loss.
+
+    A mode is anything ``recir.distributed.plan`` takes, or ``("auto", memory_budget)``.
+    """
     import _distributed_models as M
     import recir.distributed as rd
 
@@ -63,7 +72,10 @@ def train_and_compare(rank: int, world: int, kind: str, modes: list[str], steps:
 
     mesh = rd.Mesh(axes={"data": world})
     for mode in modes:
-        plan = rd.plan(local_step, mode, mesh)
+        budget = None
+        if isinstance(mode, tuple):
+            mode, budget = mode
+        plan = rd.plan(local_step, mode, mesh, memory_budget=budget)
         dstep = rd.distribute(local_step, plan, rank)
         state = rd.shard_state(plan, dstep, full0, rank)
         held = sum(t.numel() * t.element_size() for t in state)
@@ -89,5 +101,5 @@ def train_and_compare(rank: int, world: int, kind: str, modes: list[str], steps:
             ref_losses,
         )
         full_bytes = sum(t.numel() * t.element_size() for t in full0.values())
-        if mode not in ("data_parallel",):
+        if plan.mode != "DataParallel":
             assert held < full_bytes, (mode, held, full_bytes)

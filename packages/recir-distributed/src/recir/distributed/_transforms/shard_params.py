@@ -121,10 +121,12 @@ def _check_elementwise(step: StepGraph, shards: list[fx.Node], name: str) -> Non
     """Refuse optimizer updates that reduce over a sharded tensor (gradient clipping, global norms)."""
     tainted = set(shards)
     for node in step.graph.nodes:
+        if node.target is C10D.reduce_scatter_tensor.default:
+            tainted.add(node)  # a gradient shard
         if node.op != "call_function" or not any(a in tainted for a in node.all_input_nodes):
             continue
-        if node.target in (C10D.all_gather_into_tensor.default,):
-            continue
+        if node.target is C10D.all_gather_into_tensor.default:
+            continue  # the gathered parameter is whole again
         tainted.add(node)
         if node.meta.get(PHASE_KEY) != "optimizer" or not isinstance(node.target, torch._ops.OpOverload):
             continue

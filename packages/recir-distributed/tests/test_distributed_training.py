@@ -1,0 +1,31 @@
+"""Multi-process training on gloo CPU processes: every parallel mode trains 10 steps and matches
+single-process training on the same global batch (parameters, optimizer state and loss); each rank
+holds exactly the bytes its plan says, less than the whole state when anything is sharded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import recir.distributed as rd
+from _distributed_workers import spawn, train_and_compare_all
+
+
+def test_two_ranks_train_like_one_process():
+    mixed = rd.HybridParallel(tables=(rd.table_wise("item.weight"), rd.column_wise("user.weight")))
+    spawn(
+        train_and_compare_all,
+        2,
+        [
+            ("mlp", ["data_parallel", rd.FullyShardedDataParallel()], 10),
+            (
+                "emb",
+                ["data_parallel", "fsdp", "table_wise", "row_wise", "column_wise", mixed, ("auto", 1950)],
+                10,
+            ),
+        ],
+    )
+
+
+@pytest.mark.slow
+def test_four_ranks_train_like_one_process():
+    spawn(train_and_compare_all, 4, [("emb", ["fsdp", "table_wise", "row_wise"], 4)])
