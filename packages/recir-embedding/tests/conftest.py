@@ -124,10 +124,10 @@ class EagerRowWiseAdagrad(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state[p]
-                st.setdefault("momentum1", torch.zeros(p.shape[0]))
+                st.setdefault("sum", torch.zeros(p.shape[0]))
                 g = p.grad
-                st["momentum1"] += (g * g).mean(1)
-                p -= group["lr"] * g / (st["momentum1"].sqrt() + group["eps"]).unsqueeze(1)
+                st["sum"] += (g * g).mean(1)
+                p -= group["lr"] * g / (st["sum"].sqrt() + group["eps"]).unsqueeze(1)
 
 
 @dataclasses.dataclass

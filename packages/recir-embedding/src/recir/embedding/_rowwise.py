@@ -2,12 +2,12 @@
 
 ``dedupe`` turns ``(ids [N], per-id grads [N, D])`` into ``N`` slots of unique rows with summed grads
 (sort + boundary detection, no data-dependent shapes); ``sparse_update`` applies an optimizer to those
-rows and writes them back with ``index_put``. Unused slots repeat slot 0 (same row, same value).
+rows and adds the row deltas back with ``index_add`` (unused slots add zeros, so duplicates are harmless).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,71 +17,111 @@ SPARSE_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw")
 
 
 def dedupe(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(rows [N], summed grads [N, D], source slot [N])``: slot ``j < #unique`` holds one touched row.
+    """``(rows [N], summed grads [N, D], valid [N])``: slot ``j < #unique`` holds one touched row.
 
-    Slots past the number of unique ids point at slot 0 (``source``), so a write-back repeats it.
+    Slots past the number of unique ids are invalid (``valid`` False, row 0, zero gradient).
     """
     n = ids.shape[0]
     sorted_ids, perm = torch.sort(ids)
-    is_new = torch.ones_like(sorted_ids, dtype=torch.bool)
-    is_new = torch.cat([is_new[:1], sorted_ids[1:] != sorted_ids[:-1]])
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)[:1]
+    is_new = torch.cat([first, sorted_ids[1:] != sorted_ids[:-1]])
     slot = torch.cumsum(is_new.to(torch.int64), 0) - 1
     rows = torch.zeros_like(sorted_ids).scatter(0, slot, sorted_ids)
     summed = grads.new_zeros(n, grads.shape[1]).index_add(0, slot, grads.index_select(0, perm))
-    positions = torch.arange(n, device=ids.device)
-    source = torch.where(positions < is_new.sum(), positions, torch.zeros_like(positions))
-    return rows.index_select(0, source), summed, source
+    valid = torch.arange(n, device=ids.device) < is_new.sum()
+    return rows, summed, valid
+
+
+def _f64(x: Tensor) -> Tensor:
+    return x.to(torch.float64)
+
+
+def _row_update(
+    kind: str,
+    hp: Mapping[str, Any],
+    p: Tensor,
+    g: Tensor,
+    st: dict[str, Tensor],
+    lr: Tensor,
+    step: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The dense optimizer maths of recir.capture / torch.optim, applied to gathered rows."""
+    if hp.get("maximize"):
+        g = -g
+    wd = hp.get("weight_decay", 0.0)
+    lr_p = lr.to(p.dtype)
+    if kind == "sgd":
+        if wd:
+            g = torch.add(g, p, alpha=wd)
+        return p - lr_p * g, {}
+    if kind == "adagrad":
+        if wd:
+            g = torch.add(g, p, alpha=wd)
+        clr = lr_p
+        if hp.get("lr_decay"):
+            assert step is not None
+            clr = (_f64(lr) / (1 + (_f64(step) - 1) * hp["lr_decay"])).to(p.dtype)
+        s = torch.addcmul(st["sum"], g, g, value=1)
+        return p - clr * (g / (s.sqrt() + hp.get("eps", 1e-10))), {"sum": s}
+    if kind == "rowwise_adagrad":
+        if wd:
+            g = g + wd * p
+        (key,) = st  # "sum" (recir.capture) or any single [rows] accumulator
+        s = st[key] + (g * g).mean(1)
+        scale = lr_p / (s.sqrt() + hp.get("eps", 1e-10))
+        return p - scale.unsqueeze(1) * g, {key: s}
+    # adam / adamw, lazy: see sparse_update
+    assert step is not None
+    b1, b2 = hp.get("betas", (0.9, 0.999))
+    if wd:
+        if kind == "adamw":
+            p = p * (1 - _f64(lr) * wd).to(p.dtype)
+        else:
+            g = torch.add(g, p, alpha=wd)
+    m = torch.lerp(st["exp_avg"], g, 1 - b1)
+    v = torch.addcmul(st["exp_avg_sq"] * b2, g, g, value=1 - b2)
+    bc1 = 1 - torch.pow(b1, _f64(step))
+    bc2 = 1 - torch.pow(b2, _f64(step))
+    step_size = (_f64(lr) / bc1).to(p.dtype)
+    bc2_sqrt = bc2.sqrt().to(p.dtype)
+    new = {"exp_avg": m, "exp_avg_sq": v}
+    if "max_exp_avg_sq" in st:
+        v = new["max_exp_avg_sq"] = torch.maximum(st["max_exp_avg_sq"], v)
+    return p - step_size * (m / (v.sqrt() / bc2_sqrt + hp.get("eps", 1e-8))), new
 
 
 def sparse_update(
     kind: str,
     hp: Mapping[str, Any],
     param: Tensor,
-    states: Sequence[Tensor],
+    states: Mapping[str, Tensor],
     lr: Tensor,
     step: Tensor | None,
     ids: Tensor,
     grads: Tensor,
-) -> list[Tensor]:
-    """``[new_param, *new_states]`` after a row-wise ``kind`` update of the rows in ``ids`` only.
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(new_param, new_states)`` after a row-wise ``kind`` update of the rows in ``ids`` only.
 
-    SGD, Adagrad and RowWiseAdagrad equal the dense update exactly (untouched rows have zero gradient,
-    which leaves them unchanged). Adam/AdamW are *lazy*: untouched rows keep their moments and
-    weights, while dense Adam decays the moments of every row and moves rows whose moment is non-zero;
-    weight decay likewise reaches touched rows only.
+    ``states`` maps torch.optim state keys (``sum``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
+    to tensors whose dim 0 is the table's rows. SGD, Adagrad and RowWiseAdagrad equal the dense update
+    exactly (untouched rows have a zero gradient, which leaves them unchanged) unless weight decay is
+    set. Adam/AdamW are *lazy*: untouched rows keep their moments and weights, while dense Adam decays
+    every row's moments and moves rows whose moment is non-zero (torch.optim.SparseAdam's semantics).
+    Weight decay (all optimizers) reaches touched rows only; dense decays every row.
     """
-    rows, g, source = dedupe(ids, grads)
-    p = param.index_select(0, rows)
-    st = [s.index_select(0, rows) for s in states]
-    if kind == "sgd":
-        if hp.get("weight_decay"):
-            g = g + hp["weight_decay"] * p
-        new_p, new_st = p - lr * g, []
-    elif kind == "adagrad":
-        if hp.get("weight_decay"):
-            g = g + hp["weight_decay"] * p
-        s = st[0] + g * g
-        new_p, new_st = p - lr * g / (s.sqrt() + hp.get("eps", 1e-10)), [s]
-    elif kind == "rowwise_adagrad":
-        m = st[0] + (g * g).mean(1)
-        new_p, new_st = p - lr * g / (m.sqrt() + hp.get("eps", 1e-8)).unsqueeze(1), [m]
-    elif kind in ("adam", "adamw"):
-        assert step is not None
-        b1, b2 = hp.get("betas", (0.9, 0.999))
-        wd = hp.get("weight_decay", 0.0)
-        if kind == "adamw":
-            p = p * (1 - lr * wd)
-        elif wd:
-            g = g + wd * p
-        m = st[0] * b1 + g * (1 - b1)
-        v = st[1] * b2 + g * g * (1 - b2)
-        bc1 = 1 - torch.pow(b1, step)
-        bc2 = 1 - torch.pow(b2, step)
-        new_p, new_st = p - (lr / bc1) * m / (v.sqrt() / bc2.sqrt() + hp.get("eps", 1e-8)), [m, v]
-    else:
+    if kind not in SPARSE_KINDS:
         raise ValueError(f"no row-wise update for optimizer {kind!r}; supported: {SPARSE_KINDS}")
-    # Unused slots take slot 0's result, so duplicate writes of a row carry identical values.
-    out = [param.index_put((rows,), new_p.index_select(0, source))]
-    for s, ns in zip(states, new_st):
-        out.append(s.index_put((rows,), ns.index_select(0, source)))
-    return out
+    rows, g, valid = dedupe(ids, grads)
+    p = param.index_select(0, rows)
+    st = {k: s.index_select(0, rows) for k, s in states.items()}
+    new_p, new_st = _row_update(kind, hp, p, g, st, lr, step)
+
+    def delta(new: Tensor, old: Tensor) -> Tensor:
+        mask = valid.view(-1, *([1] * (new.dim() - 1)))
+        return torch.where(mask, new - old, torch.zeros_like(new))
+
+    # index_add of masked deltas (not index_put): accumulation is defined for repeated indices, so the
+    # unused slots (row 0, delta 0) stay harmless when a compiler fuses gather, update and scatter in place.
+    out_p = param.index_add(0, rows, delta(new_p, p))
+    out_st = {k: states[k].index_add(0, rows, delta(new_st[k], st[k])) for k in states}
+    return out_p, out_st

@@ -35,7 +35,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 STATE_KEYS = {
     "sgd": (),
     "adagrad": ("sum",),
-    "rowwise_adagrad": ("momentum1",),
+    "rowwise_adagrad": ("sum",),
     "adam": ("exp_avg", "exp_avg_sq"),
     "adamw": ("exp_avg", "exp_avg_sq"),
 }
@@ -88,7 +88,7 @@ def build_step(
     for n, p in params.items():
         state = {}
         for key in STATE_KEYS[kind]:
-            shape = (p.shape[0],) if key == "momentum1" else tuple(p.shape)
+            shape = (p.shape[0],) if kind == "rowwise_adagrad" else tuple(p.shape)
             slots.append(StateSlot(f"optim:{n}:{key}", "optim", shape, p.dtype))
             state[key] = f"optim:{n}:{key}"
         optim_meta[f"param:{n}"] = {

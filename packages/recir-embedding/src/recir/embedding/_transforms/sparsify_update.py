@@ -40,10 +40,11 @@ def _index_add_terms(node: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:
 
 
 def _update_fn(
-    kind: str, hp: dict[str, Any], n_state: int, n_terms: int, has_step: bool, core_shape: tuple[int, int]
+    kind: str, hp: dict[str, Any], keys: list[str], n_terms: int, has_step: bool, core_shape: tuple[int, int]
 ) -> Any:
     """``(param, *states, lr, [step], *ids, *grads) -> [new_param, *new_states]`` for one table."""
     rows, dim = core_shape
+    n_state = len(keys)
 
     def fn(*xs: Any) -> list[torch.Tensor]:
         param, states = xs[0], list(xs[1 : 1 + n_state])
@@ -58,7 +59,8 @@ def _update_fn(
         flat = param.dim() != 2
         p2 = param.reshape(rows, dim) if flat else param
         s2 = [s.reshape(rows, dim) if flat and s.numel() == rows * dim else s for s in states]
-        new = sparse_update(kind, hp, p2, s2, lr_v, step_v, ids, g.to(p2.dtype))
+        new_p, new_st = sparse_update(kind, hp, p2, dict(zip(keys, s2)), lr_v, step_v, ids, g.to(p2.dtype))
+        new = [new_p] + [new_st[key] for key in keys]
         return [t.reshape(sh) if tuple(t.shape) != tuple(sh) else t for t, sh in zip(new, shapes)]
 
     return fn
@@ -78,21 +80,23 @@ class SparsifyUpdate(Transform):
         ->
         %s, %perm = sort(%ids); %slot = cumsum(%s[1:] != %s[:-1]) ...   # N = len(ids) slots
         %gs = new_zeros([N, D]).index_add(0, %slot, %g[%perm])            # segment sum per row
-        %w1 = index_put(%W, [%rows], update(%W[%rows], %gs, ...))         # touched rows only
+        %w1 = index_add(%W, 0, %rows, where(%valid, update(%W[%rows], %gs) - %W[%rows], 0))  # touched rows
 
     SGD/Adagrad/RowWiseAdagrad match the dense maths exactly. Adam/AdamW are lazy (``lazy_adam``):
     rows absent from the batch keep weights and moments, where dense Adam would still decay the
-    moments and move those rows (torch.optim.SparseAdam's semantics); weight decay reaches touched
-    rows only. Padding ids of a ``JaggedBatch`` repeat a real id, so they touch no extra row.
+    moments and move those rows (torch.optim.SparseAdam's semantics). Weight decay (any optimizer)
+    reaches touched rows only (``lazy_weight_decay``), as FBGEMM's fused optimizers do. Padding ids
+    of a ``JaggedBatch`` repeat a real id, so they touch no extra row.
     """
 
     name = "recir-embed-sparsify-update"
-    summary = "dense embedding gradient + optimizer -> dedupe ids, segment-sum, row-wise update, index_put"
+    summary = "dense embedding gradient + optimizer -> dedupe ids, segment-sum, row-wise update, index_add"
 
     @dataclasses.dataclass(frozen=True)
     class Options:
         min_rows: int = 1  # tables with fewer rows stay dense
         lazy_adam: bool = True  # allow Adam/AdamW (lazy semantics on untouched rows)
+        lazy_weight_decay: bool = True  # allow weight decay applied to touched rows only
 
     def requires(self, step: StepGraph) -> None:
         if "recir.optimizer" not in step.meta:
@@ -121,14 +125,18 @@ class SparsifyUpdate(Transform):
             if kind == "sgd" and hp.get("momentum"):
                 skipped[slot] = "SGD with momentum decays every row's buffer (not row-wise)"
                 continue
-            state_slots = list(info.get("state", {}).values())
+            if hp.get("weight_decay") and not self.options.lazy_weight_decay:
+                skipped[slot] = "weight decay reaches every row densely (lazy_weight_decay=False)"
+                continue
+            keys = list(info.get("state", {}))
+            state_slots = [info["state"][key] for key in keys]
             idx = [names.index(slot)] + [names.index(s) for s in state_slots]
             lr = placeholders[names.index(info["lr_slot"])]
             step_node = outs[names.index(info["step_slot"])] if info.get("step_slot") else None
             n_terms = len(terms)
             args = [placeholders[i] for i in idx] + [lr] + ([step_node] if step_node is not None else [])
             args += [t[0] for t in terms] + [t[1] for t in terms]
-            fn = _update_fn(kind, hp, len(state_slots), n_terms, step_node is not None, core_shape)
+            fn = _update_fn(kind, hp, keys, n_terms, step_node is not None, core_shape)
             new_nodes = splice(graph, fn, args, before=output, phase="optimizer", provenance=self.name)
             for i, node in zip(idx, new_nodes):
                 outs[i] = node
