@@ -37,6 +37,7 @@ from ._slots import (
     batch_slots,
     lr_slot,
     optim_slot,
+    slot_devices,
     state_slots,
 )
 from ._trace_context import CaptureFunctionMode, TraceContext, track_modules
@@ -130,7 +131,8 @@ def capture_train_step(
     shape_env = ShapeEnv() if mode == "dynamic" else None
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)  # constants -> CaptureError
     with fake_mode:
-        fake_state = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+        devices = slot_devices(model, slots, trainable)
+        fake_state = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(slots, devices)]
     fake_batch = [fake_mode.from_tensor(t, static_shapes=mode == "static") for t in batch_tensors]
     gm = trace(step_fn, fake_mode, [*fake_state, *fake_batch], rec)
     if rec.unused:

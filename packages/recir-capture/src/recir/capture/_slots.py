@@ -72,6 +72,25 @@ def batch_slots(example_batch: Any) -> tuple[list[BatchSlot], list[torch.Tensor]
     return slots, tensors, spec
 
 
+def main_device(model: nn.Module) -> torch.device:
+    """Where scalar state (step, learning rates, rng) lives: the first parameter's device (CPU if none)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def slot_devices(
+    model: nn.Module, slots: list[StateSlot], trainable: list[tuple[str, nn.Parameter, ParamOptim]]
+) -> list[torch.device]:
+    """The device of each state slot: its tensor's (params, buffers, per-parameter optimizer state), else main."""
+    by_name = {f"param:{n}": p.device for n, p in model.named_parameters()}
+    by_name |= {f"buffer:{n}": b.device for n, b in model.named_buffers()}
+    for n, p, spec in trainable:
+        by_name |= {optim_slot(n, k): p.device for k in spec.state_keys}
+    main = main_device(model)
+    return [by_name.get(s.name, main) for s in slots]
+
+
 def state_slots(
     params: list[tuple[str, nn.Parameter]],
     buffers: list[tuple[str, torch.Tensor]],
@@ -107,20 +126,21 @@ class OptimizerStateInitializer:
         self, slot: StateSlot, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> torch.Tensor | None:
         name = slot.name
+        device = main_device(model)
         if name == RNG_SEED_SLOT:
-            return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+            return torch.randint(0, 2**31 - 1, (), dtype=torch.int64).to(device)
         if name == RNG_OFFSET_SLOT:
-            return torch.zeros((), dtype=torch.int64)
+            return torch.zeros((), dtype=torch.int64, device=device)
         if not name.startswith("optim:"):
             return None
         if name == STEP_SLOT:
-            return torch.tensor(_read_step(optimizer), dtype=torch.float32)
+            return torch.tensor(_read_step(optimizer), dtype=torch.float32, device=device)
         if name.startswith("optim:group") and name.endswith(":lr"):
             i = int(name[len("optim:group") : -len(":lr")])
             lr = self.lrs[i]
             if optimizer is not None and i < len(optimizer.param_groups):
                 lr = float(optimizer.param_groups[i]["lr"])
-            return torch.tensor(lr, dtype=torch.float32)
+            return torch.tensor(lr, dtype=torch.float32, device=device)
         param_name, key = name[len("optim:") :].rsplit(":", 1)
         spec = self.specs.get(param_name)
         if spec is None:
@@ -129,7 +149,7 @@ class OptimizerStateInitializer:
         if optimizer is not None:
             value = optimizer.state.get(param, {}).get(key)
             if isinstance(value, torch.Tensor):
-                return value.detach().clone().to(slot.dtype).reshape(slot.shape)
+                return value.detach().to(device=param.device, dtype=slot.dtype).clone().reshape(slot.shape)
         fill = float(spec.hparams.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
         return torch.full(slot.shape, fill, dtype=slot.dtype, device=param.device)
 

@@ -197,7 +197,7 @@ def state_mismatches(
     for name, ref in eager.items():
         if name not in captured:
             continue
-        got = captured[name].detach().to(ref.dtype).reshape(ref.shape)
+        got = captured[name].detach().to(device=ref.device, dtype=ref.dtype).reshape(ref.shape)
         if not torch.allclose(got, ref, rtol=rtol, atol=atol):
             bad[name] = float((got.double() - ref.double()).abs().max())
     return bad
