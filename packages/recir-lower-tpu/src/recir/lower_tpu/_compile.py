@@ -14,10 +14,10 @@ from typing import Any
 
 import jax
 import torch
-from recir.transforms import ConfigError, StepGraph, verify, verify_level
+from recir.transforms import ConfigError, DataError, StepGraph, verify, verify_level
 from torch import nn
 
-from . import _lowerings  # noqa: F401 - registers RecIR's built-in lowerings
+from . import _host_checks, _lowerings  # noqa: F401 - register RecIR's built-in lowerings
 from ._cache import cache_hits, enable_compile_cache
 from ._convert import jax_dtype, to_jax, to_torch
 from ._placement import Placement
@@ -57,7 +57,7 @@ class TPUCompiledStep:
         self._compile_seconds = 0.0
         self._cache_hit: bool | None = None
         with self._x64():
-            out_dtypes = [jax_dtype(s.dtype) for s in (*sig.state, *sig.outputs)]
+            out_dtypes = [jax_dtype(s.dtype) for s in sig.state] + [jax_dtype(o.dtype) for o in sig.outputs]
         self._env = recir_env()
         check_lowerings(step, self._env)
         self._jitted = jax.jit(
@@ -100,8 +100,13 @@ class TPUCompiledStep:
             jbatch = [to_jax(t, sh) for t, sh in zip(sig.flatten_batch(batch), self._batch_shardings)]
             if self._compiled is None:
                 self._compile(jstate, jbatch)
-            new_state, outs = self._compiled(jstate, jbatch)
-        torch_outs = [to_torch(x, slot.dtype) for x, slot in zip(outs, sig.outputs)]
+            try:
+                new_state, outs = self._compiled(jstate, jbatch)
+                torch_outs = [to_torch(x, slot.dtype) for x, slot in zip(outs, sig.outputs)]
+            except jax.errors.JaxRuntimeError as e:
+                if "DataError" in str(e):  # a host-side data check (recir::check_jagged) failed
+                    raise DataError(_data_error_message(str(e))) from e
+                raise
         return list(new_state), self.step.unflatten_outputs(torch_outs)
 
     # -- inspection -------------------------------------------------------------------------------
@@ -153,6 +158,15 @@ class TPUCompiledStep:
                 f"expected {n} state arrays (signature order), got {len(state)}. "
                 "Fix: build state with compiled.init_state(model, optimizer) and pass the returned state on."
             )
+
+
+def _data_error_message(text: str) -> str:
+    """The DataError's own message out of XLA's callback error text."""
+    _, _, tail = text.partition("DataError: ")
+    message = tail.strip() or text
+    return (
+        message + "\n(The step did not complete; its donated input state is gone: reload from a checkpoint.)"
+    )
 
 
 def compile(
