@@ -1,6 +1,7 @@
 """Multi-process training on gloo CPU processes: every parallel mode trains 10 steps and matches
 single-process training on the same global batch (parameters, optimizer state and loss); each rank
-holds exactly the bytes its plan says, less than the whole state when anything is sharded.
+holds exactly the bytes its plan says, less than the whole state when anything is sharded. One spawn
+per test runs many checks (each spawned rank pays a torch import).
 """
 
 from __future__ import annotations
