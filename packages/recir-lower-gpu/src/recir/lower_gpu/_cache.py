@@ -7,9 +7,13 @@ version), so a changed StepGraph never reuses a stale artifact; we only choose t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import torch
 
 # Read once at import: torch writes its own default into TORCHINDUCTOR_CACHE_DIR the first time it
 # asks for the folder, after which a user's setting and torch's default look the same.
@@ -44,3 +48,35 @@ def using_cache_dir(path: Path) -> Iterator[None]:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, tuple[str]]:
+    from torch._inductor.codecache import _ident
+
+    return (_ident, (str(fmt),))
+
+
+def stabilize_cache_keys() -> bool:
+    """Make Inductor's cache keys independent of import order (idempotent; False if torch changed).
+
+    ``torch.memory_format`` pickles as a global named ``torch.contiguous_format``, which pickle resolves
+    by scanning ``sys.modules`` for the first module with a ``torch`` attribute: the key's bytes then
+    depend on which modules a process imported first (a pytest run and a script disagree), so a
+    second process misses the cache. The key-only picklers get a reducer that writes the name.
+    """
+    try:
+        from torch._inductor.codecache import FxGraphCachePickler
+    except ImportError:
+        return False
+    init = FxGraphCachePickler.__init__
+    if getattr(init, "_recir_stable", False):
+        return True
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.dispatch_table[torch.memory_format] = _reduce_memory_format
+
+    __init__._recir_stable = True  # type: ignore[attr-defined]
+    FxGraphCachePickler.__init__ = __init__  # type: ignore[method-assign]
+    return True

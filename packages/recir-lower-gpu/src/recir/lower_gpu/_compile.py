@@ -17,7 +17,7 @@ from recir.transforms import ConfigError, LoweringError, StepGraph, verify, veri
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from ._cache import inductor_cache_dir, recir_cache_dir, using_cache_dir
+from ._cache import inductor_cache_dir, recir_cache_dir, stabilize_cache_keys, using_cache_dir
 from ._cudagraph import CudaGraphStep
 from ._embedding import apply_embedding_backend
 from ._isa import memoize_cpu_isa_probe
@@ -141,6 +141,7 @@ def compile(
     )
     if dev.type == "cpu" and options.memoize_cpu_isa_probe:
         memoize_cpu_isa_probe(recir_cache_dir())
+    stabilize_cache_keys()
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
     with using_cache_dir(cache_dir):
         try:
