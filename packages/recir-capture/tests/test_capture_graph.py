@@ -239,3 +239,41 @@ def test_capture_graph_dynamic_batch_dimension() -> None:
     bigger = {"x": torch.randn(7, 8), "y": torch.randn(7)}  # captured with 4 rows
     out = step.graph_module(*step.init_state(model, opt), bigger["x"], bigger["y"])
     torch.testing.assert_close(out[-1], case.loss_fn(model, bigger))
+
+
+def test_capture_graph_tied_weights_and_nested_batch() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 6)
+            self.head = torch.nn.Linear(6, 10, bias=False)
+            self.head.weight = self.emb.weight  # one parameter, two modules
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids))
+
+    def loss_fn(m: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        (ids,), labels = batch["inputs"], batch["labels"]
+        logits = m(ids)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), {"logits": logits}
+
+    torch.manual_seed(0)
+    model = Tied()
+    batch = {"inputs": (torch.randint(0, 10, (2, 3)),), "labels": torch.randint(0, 10, (2, 3))}
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    step = capture_train_step(model, opt, loss_fn, batch)
+    assert [s.name for s in step.signature.state if s.kind == "param"] == ["param:emb.weight"]
+    assert [(b.name, b.role) for b in step.signature.batch] == [("inputs.0", "ids"), ("labels", "label")]
+    assert [o.name for o in step.signature.outputs] == ["loss", "aux.0.logits"]
+    state = step.init_state(model, opt)
+    for _ in range(5):
+        state, (loss, aux) = step(state, batch)
+        ref_loss = testing.eager_step(ref, ref_opt, loss_fn, batch)
+        assert aux["logits"].shape == (2, 3, 10)
+        torch.testing.assert_close(loss, ref_loss)
+    bad = testing.state_mismatches(
+        step.state_dict(state), testing.eager_state_dict(ref, ref_opt), rtol=1e-4, atol=1e-5
+    )
+    assert not bad, bad

@@ -24,7 +24,7 @@ from . import _rng
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PKG_DIR = os.path.dirname(__file__)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
-_NOT_MUTATIONS = {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
+_NOT_MUTATIONS = {"requires_grad_", "retain_grad", "share_memory_", "record_stream", "detach_"}
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__"}
 
 
