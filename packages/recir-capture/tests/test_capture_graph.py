@@ -277,3 +277,41 @@ def test_capture_graph_tied_weights_and_nested_batch() -> None:
         step.state_dict(state), testing.eager_state_dict(ref, ref_opt), rtol=1e-4, atol=1e-5
     )
     assert not bad, bad
+
+
+def test_capture_graph_two_optimizers_dense_adam_sparse_rowwise() -> None:
+    """DLRM's setup: Adam on dense parameters, RowWiseAdagrad on tables; groups numbered across both."""
+    case = testing.REFERENCE_CASES["embedding_bag"]
+
+    def optimizers(m: torch.nn.Module) -> list[torch.optim.Optimizer]:
+        tables = [p for n, p in m.named_parameters() if n.startswith("tables.")]
+        dense = [p for n, p in m.named_parameters() if not n.startswith("tables.")]
+        return [torch.optim.Adam(dense, lr=0.01), testing.make_optimizer("rowwise_adagrad", tables)]
+
+    model = case.build(0)
+    opts = optimizers(model)
+    ref = copy.deepcopy(model)
+    ref_opts = optimizers(ref)
+    step = capture_train_step(model, opts, case.loss_fn, case.make_batch(0), overrides=case.overrides())
+    meta = step.meta[OPTIMIZER_META]
+    assert meta["param:tables.0.weight"]["kind"] == "rowwise_adagrad"
+    assert meta["param:tables.0.weight"]["lr_slot"] == "optim:group1:lr"
+    assert meta["param:top.0.weight"]["kind"] == "adam"
+    state = step.init_state(model, opts)
+    assert float(step.state_dict(state)["optim:step"]) == 0.0
+    for i in range(10):
+        batch = case.make_batch(i)
+        state, _ = step(state, batch)
+        result = case.loss_fn(ref, batch)[0]
+        result.backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+    eager = testing.eager_state_dict(ref, ref_opts[0])
+    eager |= {
+        k: v for k, v in testing.eager_state_dict(ref, ref_opts[1]).items() if k.startswith("optim:tables")
+    }
+    bad = testing.state_mismatches(step.state_dict(state), eager, rtol=1e-4, atol=1e-5)
+    assert not bad, bad
+    state = sync_learning_rates(step, state, ref_opts)
+    assert learning_rates(step, state) == pytest.approx([0.01, 0.05])

@@ -8,7 +8,7 @@ runs and no mutation survives; the live model and optimizer are only read.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from . import _postprocess as post
 from ._functional_optim import ParamOptim, apply_update, group_scalars
 from ._lr import LR_SLOTS_META
 from ._model_copy import bind_tensors, prepare_model
-from ._optim_map import group_learning_rates, optimizer_specs
+from ._optim_map import all_param_groups, group_learning_rates, optimizer_specs
 from ._rng import step_key
 from ._slots import (
     RNG_OFFSET_SLOT,
@@ -50,7 +50,7 @@ LossFn = Callable[[nn.Module, Any], Any]
 
 def capture_train_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     loss_fn: LossFn,
     example_batch: Any,
     *,
@@ -59,8 +59,9 @@ def capture_train_step(
 ) -> StepGraph:
     """Capture ``loss_fn(model, batch)``, its backward and ``optimizer``'s update as one pure StepGraph.
 
-    ``loss_fn`` returns the loss (a scalar) or ``(loss, aux...)``. The live model and optimizer are only
-    read; no real step runs. Raises :class:`CaptureError` for what one functional graph cannot express.
+    ``loss_fn`` returns the loss (a scalar) or ``(loss, aux...)``. ``optimizer`` may be a list (e.g. dense
+    Adam + RowWiseAdagrad for tables); param groups are then numbered across the optimizers in order.
+    The live model and optimizer are only read; no real step runs. Raises :class:`CaptureError` for what one functional graph cannot express.
     """
     if mode not in ("static", "dynamic"):
         raise CaptureError(f"mode must be 'static' or 'dynamic', got {mode!r}")
@@ -70,7 +71,7 @@ def capture_train_step(
     buffers = list(model.named_buffers())
     known = {id(p) for _, p in params}
     strays = sorted(
-        {i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in known}
+        {i for i, g in enumerate(all_param_groups(optimizer)) for p in g["params"] if id(p) not in known}
     )
     if strays:
         raise CaptureError(

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from recir.transforms import ConfigError, StepGraph
+
+from ._optim_map import all_param_groups
 
 LR_SLOTS_META = "recir.lr_slots"
 
@@ -36,18 +39,20 @@ def set_learning_rate(
     return new
 
 
-def sync_learning_rates(
-    step: StepGraph, state: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
-) -> list[torch.Tensor]:
-    """A new state list with every group's lr taken from ``optimizer.param_groups`` (after a scheduler step)."""
+def sync_learning_rates(step: StepGraph, state: Sequence[torch.Tensor], optimizer: Any) -> list[torch.Tensor]:
+    """A new state list with every group's lr from ``optimizer.param_groups`` (after a scheduler step).
+
+    ``optimizer`` may be the list of optimizers the step was captured with.
+    """
     indices = _lr_indices(step, None)
-    if len(indices) != len(optimizer.param_groups):
+    groups = all_param_groups(optimizer)
+    if len(indices) != len(groups):
         raise ConfigError(
-            f"the step was captured with {len(indices)} param group(s), the optimizer has "
-            f"{len(optimizer.param_groups)}.\nFix: recapture after adding param groups."
+            f"the step was captured with {len(indices)} param group(s), the optimizer(s) have "
+            f"{len(groups)}.\nFix: recapture after adding param groups."
         )
     new = list(state)
-    for i, g in zip(indices, optimizer.param_groups):
+    for i, g in zip(indices, groups):
         new[i] = torch.full_like(new[i], float(g["lr"]))
     return new
 

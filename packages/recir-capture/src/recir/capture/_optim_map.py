@@ -69,28 +69,50 @@ def _hparams(kind: str, group: dict[str, Any], index: int) -> dict[str, Any]:
     return h
 
 
-def optimizer_specs(optimizer: torch.optim.Optimizer) -> dict[int, ParamOptim]:
-    """``id(param) -> ParamOptim`` for every parameter of every group."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise CaptureError(
-            f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}.\nFix: pass one of {_SUPPORTED}."
-        )
-    base_kind = _kind_of(optimizer)
+def as_optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """One optimizer, a sequence of them (e.g. dense Adam + sparse RowWiseAdagrad), or None -> a list."""
+    if optimizer is None:
+        return []
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in items:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise CaptureError(
+                f"expected a torch.optim.Optimizer (or a list of them), got {type(opt).__name__}.\n"
+                f"Fix: pass one of {_SUPPORTED}."
+            )
+    return items
+
+
+def all_param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """Every param group of every optimizer, in order: the global group index of ``optim:group<i>:lr``."""
+    return [g for opt in as_optimizer_list(optimizer) for g in opt.param_groups]
+
+
+def optimizer_specs(optimizer: Any) -> dict[int, ParamOptim]:
+    """``id(param) -> ParamOptim`` for every parameter of every group (groups numbered across optimizers)."""
+    optimizers = as_optimizer_list(optimizer)
+    if not optimizers:
+        raise CaptureError(f"capture needs an optimizer.\nFix: pass one of {_SUPPORTED}.")
     specs: dict[int, ParamOptim] = {}
-    for i, group in enumerate(optimizer.param_groups):
-        kind = base_kind
-        if kind == "adam" and group.get("decoupled_weight_decay", False):
-            kind = "adamw"  # Adam(decoupled_weight_decay=True) is AdamW's maths
-        h = _hparams(base_kind, group, i)
-        spec = ParamOptim(kind=kind, group=i, hparams=h, state_keys=state_keys_for(kind, h))
-        for p in group["params"]:
-            if id(p) in specs:
-                raise CaptureError(
-                    "a parameter appears in two optimizer param groups.\nFix: put each parameter in one group."
-                )
-            specs[id(p)] = spec
+    index = 0
+    for opt in optimizers:
+        base_kind = _kind_of(opt)
+        for group in opt.param_groups:
+            kind = base_kind
+            if kind == "adam" and group.get("decoupled_weight_decay", False):
+                kind = "adamw"  # Adam(decoupled_weight_decay=True) is AdamW's maths
+            h = _hparams(base_kind, group, index)
+            spec = ParamOptim(kind=kind, group=index, hparams=h, state_keys=state_keys_for(kind, h))
+            for p in group["params"]:
+                if id(p) in specs:
+                    raise CaptureError(
+                        "a parameter appears in two optimizer param groups (or two optimizers).\n"
+                        "Fix: give each parameter to exactly one group of one optimizer."
+                    )
+                specs[id(p)] = spec
+            index += 1
     return specs
 
 
-def group_learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
-    return [float(_plain(g["lr"])) for g in optimizer.param_groups]
+def group_learning_rates(optimizer: Any) -> list[float]:
+    return [float(_plain(g["lr"])) for g in all_param_groups(optimizer)]

@@ -13,6 +13,7 @@ from recir.transforms import BatchSlot, CaptureError, StateSlot
 from torch import nn
 
 from ._functional_optim import ParamOptim, state_shape
+from ._optim_map import as_optimizer_list
 
 STEP_SLOT = "optim:step"
 RNG_SEED_SLOT = "rng:seed"
@@ -122,11 +123,11 @@ class OptimizerStateInitializer:
         self.specs = specs  # param name -> ParamOptim at capture
         self.lrs = lrs
 
-    def __call__(
-        self, slot: StateSlot, model: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> torch.Tensor | None:
+    def __call__(self, slot: StateSlot, model: nn.Module, optimizer: Any) -> torch.Tensor | None:
         name = slot.name
         device = main_device(model)
+        optimizers = as_optimizer_list(optimizer)
+        groups = [g for opt in optimizers for g in opt.param_groups]
         if name == RNG_SEED_SLOT:
             return torch.randint(0, 2**31 - 1, (), dtype=torch.int64).to(device)
         if name == RNG_OFFSET_SLOT:
@@ -134,35 +135,33 @@ class OptimizerStateInitializer:
         if not name.startswith("optim:"):
             return None
         if name == STEP_SLOT:
-            return torch.tensor(_read_step(optimizer), dtype=torch.float32, device=device)
+            return torch.tensor(_read_step(optimizers), dtype=torch.float32, device=device)
         if name.startswith("optim:group") and name.endswith(":lr"):
             i = int(name[len("optim:group") : -len(":lr")])
             lr = self.lrs[i]
-            if optimizer is not None and i < len(optimizer.param_groups):
-                lr = float(optimizer.param_groups[i]["lr"])
+            if i < len(groups):
+                lr = float(groups[i]["lr"])
             return torch.tensor(lr, dtype=torch.float32, device=device)
         param_name, key = name[len("optim:") :].rsplit(":", 1)
         spec = self.specs.get(param_name)
         if spec is None:
             return None
         param = model.get_parameter(param_name)
-        if optimizer is not None:
-            value = optimizer.state.get(param, {}).get(key)
+        for opt in optimizers:
+            value = opt.state.get(param, {}).get(key)
             if isinstance(value, torch.Tensor):
                 return value.detach().to(device=param.device, dtype=slot.dtype).clone().reshape(slot.shape)
         fill = float(spec.hparams.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
         return torch.full(slot.shape, fill, dtype=slot.dtype, device=param.device)
 
 
-def _read_step(optimizer: torch.optim.Optimizer | None) -> float:
-    if optimizer is None:
-        return 0.0
+def _read_step(optimizers: list[torch.optim.Optimizer]) -> float:
     seen_state = False
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
+    for opt in optimizers:
+        for p in (p for group in opt.param_groups for p in group["params"]):
+            state = opt.state.get(p, {})
             if "step" in state:
                 return float(state["step"])
-            seen_state = seen_state or bool(state)
+            seen_state = seen_state or "momentum_buffer" in state
     # SGD keeps no step count: a momentum buffer means at least one step was taken.
     return 1.0 if seen_state else 0.0

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._embedding_bag_override import EmbeddingBagOverride
+from ._optim_map import all_param_groups, as_optimizer_list
 from ._rowwise_adagrad import RowWiseAdagrad
 
 
@@ -161,30 +162,30 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return OPTIMIZERS[name](params)
 
 
-def eager_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any], batch: Any
-) -> Tensor:
-    """One ordinary eager step: ``loss.backward(); opt.step(); opt.zero_grad()``; returns the loss."""
+def eager_step(model: nn.Module, optimizer: Any, loss_fn: Callable[..., Any], batch: Any) -> Tensor:
+    """One ordinary eager step: ``loss.backward(); opt.step(); opt.zero_grad()`` (each optimizer of a list)."""
     result = loss_fn(model, batch)
     loss = result[0] if isinstance(result, (tuple, list)) else result
     loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    for opt in as_optimizer_list(optimizer):
+        opt.step()
+        opt.zero_grad()
     return loss.detach()
 
 
-def eager_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """The eager model and optimizer as a StepGraph-style name -> tensor mapping (step as float32)."""
+def eager_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Tensor]:
+    """The eager model and optimizer(s) as a StepGraph-style name -> tensor mapping (step as float32)."""
     out: dict[str, Tensor] = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
     out |= {f"buffer:{n}": b for n, b in model.named_buffers()}
     names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in optimizer.state.items():
-        for k, v in st.items():
-            if k == "step":
-                out["optim:step"] = torch.as_tensor(v, dtype=torch.float32)
-            elif isinstance(v, Tensor):
-                out[f"optim:{names[id(p)]}:{k}"] = v
-    for i, g in enumerate(optimizer.param_groups):
+    for opt in as_optimizer_list(optimizer):
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                if k == "step":
+                    out["optim:step"] = torch.as_tensor(v, dtype=torch.float32)
+                elif isinstance(v, Tensor):
+                    out[f"optim:{names[id(p)]}:{k}"] = v
+    for i, g in enumerate(all_param_groups(optimizer)):
         out[f"optim:group{i}:lr"] = torch.tensor(float(g["lr"]))
     return out
 
