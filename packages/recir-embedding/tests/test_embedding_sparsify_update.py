@@ -51,7 +51,7 @@ def test_registered_and_rewrites_the_graph(helpers):
     dense = _copy(step)
     after = Pipeline([SparsifyUpdate()]).run(step)
     # after: the only table-sized optimizer nodes are the row write-backs (weight and accumulator per table)
-    assert _table_sized_optimizer_nodes(after) == [aten.index_add.default] * 6
+    assert _table_sized_optimizer_nodes(after) == [aten.index_put.default] * 6
     dense_grads = [
         n
         for n in after.graph.nodes

@@ -2,7 +2,7 @@
 
 ``dedupe`` turns ``(ids [N], per-id grads [N, D])`` into ``N`` slots of unique rows with summed grads
 (sort + boundary detection, no data-dependent shapes); ``sparse_update`` applies an optimizer to those
-rows and adds the row deltas back with ``index_add`` (unused slots add zeros, so duplicates are harmless).
+rows and adds the row deltas back with ``index_put(accumulate=True)`` (unused slots add zeros, so duplicates are harmless).
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ def sparse_update(
         mask = valid.view(-1, *([1] * (new.dim() - 1)))
         return torch.where(mask, new - old, torch.zeros_like(new))
 
-    # index_add of masked deltas (not index_put): accumulation is defined for repeated indices, so the
-    # unused slots (row 0, delta 0) stay harmless when a compiler fuses gather, update and scatter in place.
-    out_p = param.index_add(0, rows, delta(new_p, p))
-    out_st = {k: states[k].index_add(0, rows, delta(new_st[k], st[k])) for k in states}
+    # Accumulating masked deltas (not overwriting): accumulation is defined for repeated indices, so the
+    # unused slots (row 0, delta 0) stay harmless when a compiler fuses gather, update and scatter in
+    # place. index_put(accumulate=True), not index_add: ATen's CPU index_add costs O(rows).
+    out_p = param.index_put((rows,), delta(new_p, p), accumulate=True)
+    out_st = {k: states[k].index_put((rows,), delta(new_st[k], st[k]), accumulate=True) for k in states}
     return out_p, out_st

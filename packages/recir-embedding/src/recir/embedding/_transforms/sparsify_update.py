@@ -80,7 +80,7 @@ class SparsifyUpdate(Transform):
         ->
         %s, %perm = sort(%ids); %slot = cumsum(%s[1:] != %s[:-1]) ...   # N = len(ids) slots
         %gs = new_zeros([N, D]).index_add(0, %slot, %g[%perm])            # segment sum per row
-        %w1 = index_add(%W, 0, %rows, where(%valid, update(%W[%rows], %gs) - %W[%rows], 0))  # touched rows
+        %w1 = index_put(%W, [%rows], where(%valid, update(%W[%rows], %gs) - %W[%rows], 0), True)  # accumulate
 
     SGD/Adagrad/RowWiseAdagrad match the dense maths exactly. Adam/AdamW are lazy (``lazy_adam``):
     rows absent from the batch keep weights and moments, where dense Adam would still decay the
@@ -90,7 +90,7 @@ class SparsifyUpdate(Transform):
     """
 
     name = "recir-embed-sparsify-update"
-    summary = "dense embedding gradient + optimizer -> dedupe ids, segment-sum, row-wise update, index_add"
+    summary = "dense embedding gradient + optimizer -> dedupe ids, segment-sum, row-wise update, index_put(accumulate)"
 
     @dataclasses.dataclass(frozen=True)
     class Options:
