@@ -315,3 +315,24 @@ def test_capture_graph_two_optimizers_dense_adam_sparse_rowwise() -> None:
     assert not bad, bad
     state = sync_learning_rates(step, state, ref_opts)
     assert learning_rates(step, state) == pytest.approx([0.01, 0.05])
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "role"),
+    [
+        ("features.values", torch.int64, "ids"),
+        ("uih_lengths", torch.int64, "lengths"),
+        ("num_candidates", torch.int64, "lengths"),
+        ("offsets_0", torch.int32, "offsets"),
+        ("uih_timestamps", torch.int64, "other"),
+        ("cand_actions", torch.int64, "other"),
+        ("weights_0", torch.float32, "weight"),
+        ("labels", torch.float32, "label"),
+        ("dense", torch.bfloat16, "dense"),
+        ("mask", torch.bool, "other"),
+    ],
+)
+def test_capture_graph_batch_role_guess(name: str, dtype: torch.dtype, role: str) -> None:
+    from recir.capture._slots import guess_role
+
+    assert guess_role(name, dtype) == role

@@ -5,6 +5,7 @@ Order: ``param:*``, ``buffer:*``, ``optim:<param>:<key>``, ``optim:step``, ``opt
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -39,13 +40,17 @@ def path_name(path: tuple[Any, ...], default: str) -> str:
     return ".".join(_key_name(k) for k in path) or default
 
 
+_PAYLOAD_WORDS = {"time", "times", "timestamp", "timestamps", "ts", "action", "actions", "mask", "bitmask"}
+
+
 def guess_role(name: str, dtype: torch.dtype) -> str:
     """A batch leaf's role from its name, then its dtype (a guess; transforms may refine it)."""
     n = name.lower()
+    words = set(re.split(r"[^a-z0-9]+", n))
     last = n.rsplit(".", 1)[-1]
     if "label" in n or "target" in n or last in ("y", "click", "clicks"):
         return "label"
-    if "length" in n or last in ("lens", "len"):
+    if "length" in n or words & {"lens", "len", "num", "count", "counts"}:
         return "lengths"
     if "offset" in n:
         return "offsets"
@@ -53,8 +58,8 @@ def guess_role(name: str, dtype: torch.dtype) -> str:
         return "weight"
     if dtype.is_floating_point:
         return "dense"
-    if dtype == torch.bool:
-        return "other"
+    if dtype == torch.bool or words & _PAYLOAD_WORDS:
+        return "other"  # integer payloads (timestamps, action bitmasks) are not embedding ids
     return "ids"
 
 
