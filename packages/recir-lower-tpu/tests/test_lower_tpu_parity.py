@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from recir.capture import capture_train_step, testing
-from recir.lower_tpu import compile
+from recir.lower_tpu import LoweringError, TPUOptions, compile
 
 pytestmark = pytest.mark.tpu
 
@@ -49,3 +49,34 @@ def test_compiled_step_matches_eager_for_20_steps(case_name: str, opt_name: str)
     assert {k: v.dtype for k, v in got.items()} == {s.name: s.dtype for s in step.signature.state}
     bad = testing.state_mismatches(got, eager, rtol=RTOL, atol=ATOL)
     assert not bad, f"after {STEPS} steps these slots differ (max abs error): {bad}"
+
+
+def _dropout_step():
+    case = testing.REFERENCE_CASES["transformer"]
+    torch.manual_seed(0)
+    model = testing.TransformerBlock(dropout=0.2)
+    optimizer = testing.make_optimizer("adam", model.parameters())
+    return case, model, optimizer, capture_train_step(model, optimizer, case.loss_fn, case.make_batch(0))
+
+
+def test_dropout_draws_the_same_stream_as_the_reference_interpreter() -> None:
+    # Capture's counter-based RNG hashes (seed, offset, counter) in int64 ATen ops: the compiled step
+    # must run them in 64 bits (x64 turns on by itself for rng slots) to reproduce the stream exactly.
+    case, model, optimizer, step = _dropout_step()
+    compiled = compile(step)
+    assert compiled.x64
+    ref = step.init_state(model, optimizer)  # draws the seed: start both sides from the same state
+    state = compiled.load_state_dict(step.state_dict(ref))
+    for i in range(3):
+        state, outputs = compiled(state, case.make_batch(i))
+        ref, ref_outputs = step(ref, case.make_batch(i))
+        torch.testing.assert_close(outputs[0], ref_outputs[0], rtol=RTOL, atol=ATOL)
+    bad = testing.state_mismatches(compiled.state_dict(state), step.state_dict(ref), rtol=RTOL, atol=ATOL)
+    assert not bad, bad
+
+
+def test_rng_without_x64_is_a_lowering_error_that_names_the_fix() -> None:
+    case, model, optimizer, step = _dropout_step()
+    compiled = compile(step, options=TPUOptions(x64=False))
+    with pytest.raises(LoweringError, match=r"overflows 32-bit integers .* TPUOptions\(x64=True\)"):
+        compiled(compiled.init_state(model, optimizer), case.make_batch(0))

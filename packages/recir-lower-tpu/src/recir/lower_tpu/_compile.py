@@ -30,13 +30,15 @@ logger = logging.getLogger("recir.lower_tpu")
 class TPUOptions:
     """Options of the TPU lowering.
 
-    ``x64``: trace and run with JAX's 64-bit types, so int64/float64 behave exactly as in ATen. Off by
-    default: TPUs emulate int64, and ids, offsets and counters fit int32 (state keeps its dtype on the
-    torch side either way). ``persistent_cache``: use JAX's on-disk compilation cache in ``cache_dir``
+    ``x64``: trace and run with JAX's 64-bit types, so int64/float64 behave exactly as in ATen. ``None``
+    (the default) decides per graph: on when the step needs 64-bit integer maths (``rng`` state slots,
+    whose counter-based hash runs in int64, or integer constants beyond int32), else off, since TPUs
+    emulate 64-bit types and ids, offsets and counters fit int32. State and outputs keep their torch
+    dtypes at the boundary either way. ``persistent_cache``: use JAX's on-disk compilation cache in ``cache_dir``
     (default ``$RECIR_CACHE_DIR/jax``). ``donate_state``: let XLA reuse the state buffers in place.
     """
 
-    x64: bool = False
+    x64: bool | None = None
     persistent_cache: bool = True
     cache_dir: str | None = None
     donate_state: bool = True
@@ -53,6 +55,9 @@ class TPUCompiledStep:
         sig = step.signature
         self._state_shardings = [placement.state_sharding(s) for s in sig.state]
         self._batch_shardings = [placement.batch_sharding(b) for b in sig.batch]
+        self.x64 = needs_x64(step) if options.x64 is None else options.x64
+        if self.x64 and options.x64 is None:
+            logger.info("recir.lower_tpu: x64 on for this step (it has 64-bit integer maths: rng slots)")
         self._compiled: Any = None
         self._compile_seconds = 0.0
         self._cache_hit: bool | None = None
@@ -127,7 +132,7 @@ class TPUCompiledStep:
     def __repr__(self) -> str:
         return (
             f"TPUCompiledStep({len(self.step.graph.nodes)} nodes on {jax.default_backend()}, "
-            f"{self.placement.describe()}, compiled={self._compiled is not None})"
+            f"{self.placement.describe()}, x64={self.x64}, compiled={self._compiled is not None})"
         )
 
     # -- internals ----------------------------------------------------------------------------------
@@ -143,9 +148,9 @@ class TPUCompiledStep:
         )
 
     def _x64(self) -> contextlib.AbstractContextManager[Any]:
-        if bool(jax.config.read("jax_enable_x64")) == self.options.x64:
+        if bool(jax.config.read("jax_enable_x64")) == self.x64:
             return contextlib.nullcontext()
-        return jax.enable_x64(self.options.x64)
+        return jax.enable_x64(self.x64)
 
     def _put_state(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
         with self._x64():
@@ -158,6 +163,22 @@ class TPUCompiledStep:
                 f"expected {n} state arrays (signature order), got {len(state)}. "
                 "Fix: build state with compiled.init_state(model, optimizer) and pass the returned state on."
             )
+
+
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def needs_x64(step: StepGraph) -> bool:
+    """Whether the step's integer maths needs 64 bits: rng slots, or an integer constant beyond int32."""
+    if any(slot.kind == "rng" for slot in step.signature.state):
+        return True
+    for node in step.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for arg in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+            if type(arg) is int and not _INT32[0] <= arg <= _INT32[1]:
+                return True
+    return False
 
 
 def _data_error_message(text: str) -> str:

@@ -120,6 +120,12 @@ class _JaxTracer(fx.Interpreter):
             raise
         except OperatorNotFound as e:
             raise lowering_error(n, f"has no lowering in torchax or RecIR ({e}).") from e
+        except OverflowError as e:
+            raise lowering_error(
+                n,
+                f"overflows 32-bit integers ({e}). Fix: compile with TPUOptions(x64=True) (or x64=None, "
+                "which turns it on for graphs with large integer constants or rng slots).",
+            ) from e
         except Exception as e:
             raise lowering_error(n, f"failed to lower: {type(e).__name__}: {e}") from e
         _check_shapes(n, out)

@@ -1,0 +1,74 @@
+"""A recir.distributed ShardingPlan as JAX shardings: NamedShardings for state and batch slots, so GSPMD
+partitions the global step (the TPU path captures the whole batch; the plan says how to split it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
+from recir.transforms import BatchSlot, ConfigError, StateSlot
+
+from ._placement import Placement
+
+
+def partition_spec(
+    sharding: Mapping[str, Any], shape: tuple[int, ...], mesh_axes: Mapping[str, int]
+) -> PartitionSpec:
+    """The PartitionSpec of one slot's ``recir.sharding`` dict.
+
+    ``fsdp``/``row_wise``/batch shards map to ``P(axis)`` on their dim, ``column_wise`` to ``P(None, axis)``;
+    replicated slots and ``table_wise`` tables (one device holds a whole table: no GSPMD layout) to ``P()``.
+    A dim that does not divide by its axis is replicated (GSPMD would otherwise pad it).
+    """
+    if sharding.get("placement") != "shard" or sharding.get("scheme") == "table_wise":
+        return PartitionSpec()
+    axis, dim = sharding.get("axis", "data"), int(sharding.get("dim", 0))
+    size = mesh_axes.get(axis, 1)
+    if axis not in mesh_axes or dim >= len(shape) or size == 1 or shape[dim] % size:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * dim), axis)
+
+
+class PlannedPlacement(Placement):
+    """Placement whose state and batch shardings follow a ShardingPlan (``plan.slots`` / ``plan.batch``)."""
+
+    def __init__(self, mesh: Any, plan: Any) -> None:
+        if mesh is None:
+            mesh = getattr(plan, "mesh", None)
+        if mesh is None:
+            raise ConfigError(
+                "recir.lower_tpu: a sharding plan needs a mesh. Fix: compile(step, plan, mesh=plan.mesh)"
+            )
+        super().__init__(mesh, plan)
+        assert self.mesh is not None
+        # GSPMD partitions freely only over Auto axes (Explicit axes make every op state its sharding).
+        names = tuple(self.mesh.axis_names)
+        self.mesh = jax.sharding.Mesh(self.mesh.devices, names, axis_types=(AxisType.Auto,) * len(names))
+        self._axes = dict(self.mesh.shape)
+        plan_axes = dict(plan.mesh.axes)
+        if plan_axes != self._axes:
+            raise ConfigError(
+                f"recir.lower_tpu: the plan was made for mesh {plan_axes}, compile got {self._axes}. "
+                "Fix: pass mesh=plan.mesh (or plan again for this mesh)."
+            )
+
+    def state_sharding(self, slot: StateSlot) -> Sharding:
+        sh = self.plan.slots.get(slot.name, {})
+        return NamedSharding(self.mesh, partition_spec(sh, tuple(slot.shape), self._axes))
+
+    def batch_sharding(self, slot: BatchSlot) -> Sharding:
+        sh = self.plan.batch.get(slot.name, {})
+        return NamedSharding(self.mesh, partition_spec(sh, tuple(slot.shape), self._axes))
+
+    def describe(self) -> str:
+        return f"mesh {self._axes} over {self.mesh.devices.size} devices, sharded by plan {self.plan.mode}"
+
+
+def placement_for(mesh: Any, plan: Any) -> Placement:
+    """The hook for ``compile``: a plan-driven placement when a ShardingPlan is given, else the default."""
+    if plan is None or not hasattr(plan, "slots"):
+        return Placement(mesh, plan)
+    return PlannedPlacement(mesh, plan)
