@@ -64,7 +64,7 @@ class PlannedPlacement(Placement):
         return NamedSharding(self.mesh, partition_spec(sh, tuple(slot.shape), self._axes))
 
     def describe(self) -> str:
-        return f"mesh {self._axes} over {self.mesh.devices.size} devices, sharded by plan {self.plan.mode}"
+        return f"mesh {self._axes} over {len(self.devices)} devices, sharded by plan {self.plan.mode}"
 
 
 def placement_for(mesh: Any, plan: Any) -> Placement:
