@@ -21,6 +21,7 @@ from . import _host_checks, _lowerings  # noqa: F401 - register RecIR's built-in
 from ._cache import cache_hits, enable_compile_cache
 from ._convert import jax_dtype, to_jax, to_torch
 from ._placement import Placement
+from ._sharding import placement_for
 from ._trace import check_lowerings, jax_step_fn, recir_env
 
 logger = logging.getLogger("recir.lower_tpu")
@@ -212,7 +213,7 @@ def compile(
         verify(step, transform="recir.lower_tpu.compile")
     if options.persistent_cache:
         enable_compile_cache(options.cache_dir)
-    placement = Placement(mesh, plan)
+    placement = placement_for(mesh, plan)
     backend = jax.default_backend()
     if backend == "tpu":
         logger.info("recir.lower_tpu: lowering to TPU, %s", placement.describe())
