@@ -336,3 +336,24 @@ def test_capture_graph_batch_role_guess(name: str, dtype: torch.dtype, role: str
     from recir.capture._slots import guess_role
 
     assert guess_role(name, dtype) == role
+
+
+def test_capture_graph_aux_outputs_never_alias_state() -> None:
+    """Returning a parameter, a view of the batch or an updated buffer as aux output stays INV-2-clean."""
+    case = testing.REFERENCE_CASES["batchnorm"]
+    model = case.build(0)
+
+    def loss_fn(m: torch.nn.Module, batch: dict) -> tuple:
+        loss = case.loss_fn(m, batch)
+        return loss, m.out.weight, batch["x"].t(), m.bn.running_mean
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = capture_train_step(model, opt, loss_fn, case.make_batch(0))
+    verify(step, level=2)
+    state = step.init_state(model, opt)
+    new_state, (_, w, xt, rm) = step(state, case.make_batch(0))
+    sd = step.state_dict(state)
+    torch.testing.assert_close(w, sd["param:out.weight"])
+    assert w.data_ptr() != sd["param:out.weight"].data_ptr()
+    torch.testing.assert_close(rm, step.state_dict(new_state)["buffer:bn.running_mean"])
+    torch.testing.assert_close(xt, case.make_batch(0)["x"].t())

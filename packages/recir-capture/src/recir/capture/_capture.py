@@ -223,6 +223,7 @@ def _finish_graph(gm: fx.GraphModule, rec: Recorder, slots: list[StateSlot], bat
     assert rec.ctx is not None
     if not rec.ctx.random_ops:
         slots = _drop_rng_slots(graph, slots)
+    post.unalias_user_outputs(graph, len(slots))
     graph.eliminate_dead_code()
     post.rename_placeholders(graph, [s.name for s in slots] + batch_names)
     graph.lint()

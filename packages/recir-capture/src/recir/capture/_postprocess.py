@@ -114,6 +114,32 @@ def inline_scalar_constants(gm: fx.GraphModule) -> None:
         delattr(gm, str(node.target))
 
 
+def unalias_user_outputs(graph: fx.Graph, num_state: int) -> None:
+    """Clone user outputs that are (views of) inputs or also new state, so no output aliases state (INV-2)."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    state_nodes = set(outs[:num_state])
+    for i in range(num_state, len(outs)):
+        node = outs[i]
+        if not isinstance(node, fx.Node):
+            continue
+        base = node
+        while (
+            base.op == "call_function"
+            and isinstance(base.target, torch._ops.OpOverload)
+            and base.target.is_view
+            and isinstance(base.args[0], fx.Node)
+        ):
+            base = base.args[0]
+        if base.op == "placeholder" or node in state_nodes:
+            with graph.inserting_before(output):
+                clone = graph.call_function(torch.ops.aten.clone.default, (node,))
+            clone.meta = {k: v for k, v in node.meta.items() if k in ("val", PHASE_KEY)}
+            clone.meta.setdefault(PHASE_KEY, "forward")
+            outs[i] = clone
+    output.args = (outs,)
+
+
 def rename_placeholders(graph: fx.Graph, names: Sequence[str]) -> None:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, names):
