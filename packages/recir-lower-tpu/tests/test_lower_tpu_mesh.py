@@ -63,3 +63,22 @@ def test_mesh_of_the_wrong_size_is_a_config_error():
     _, _, _, step = _captured("sgd")
     with pytest.raises(ConfigError, match="needs 16 devices"):
         compile(step, mesh=_Axes(data=2, model=8))
+
+
+def test_compile_with_a_sharding_plan_shards_state_and_matches_one_device():
+    import recir.distributed as rd
+
+    case, model, optimizer, step = _captured()
+    plan = rd.plan(step, "fsdp", rd.Mesh(axes={"data": 4, "model": 2}), batch="global")  # batch of 4
+    sharded = compile(step, plan)  # the mesh comes from the plan
+    single = compile(step)
+    a = sharded.init_state(model, optimizer)
+    b = single.init_state(model, optimizer)
+    assert any(tuple(x.sharding.spec) == ("data",) for x in a), "FSDP shards some state over 'data'"
+    for i in range(3):
+        a, (loss_a, *_) = sharded(a, case.make_batch(i))
+        b, (loss_b, *_) = single(b, case.make_batch(i))
+        torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    got, want = sharded.state_dict(a), single.state_dict(b)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
