@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from recir.transforms import CaptureError, Override, Signature, StateSlot, StepGraph, verify
+from recir.transforms import CaptureError, Override, Signature, SlotInitializer, StateSlot, StepGraph, verify
 from torch import nn
 from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -151,7 +151,7 @@ def capture_train_step(
         batch_spec=batch_spec,
         output_spec=rec.output_spec,
     )
-    initializers = [OptimizerStateInitializer({n: s for n, _, s in trainable}, lrs)]
+    initializers: list[SlotInitializer] = [OptimizerStateInitializer({n: s for n, _, s in trainable}, lrs)]
     for _, ov in applied:
         initializers.extend(ov.initializers())
     meta = {
@@ -164,7 +164,16 @@ def capture_train_step(
     return verify(step, transform="recir-capture")
 
 
-def _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in) -> None:
+def _optimizer_phase(
+    graph: fx.Graph,
+    rec: Recorder,
+    st: list[torch.Tensor],
+    out: list[torch.Tensor],
+    index: dict[str, int],
+    trainable: list[tuple[str, nn.Parameter, ParamOptim]],
+    grads: Sequence[torch.Tensor | None],
+    p_in: dict[str, torch.Tensor],
+) -> None:
     step = None
     if STEP_SLOT in index:
         step = out[index[STEP_SLOT]] = st[index[STEP_SLOT]] + 1
@@ -190,7 +199,9 @@ def _optimizer_phase(graph, rec, st, out, index, trainable, grads, p_in) -> None
     out[index[RNG_OFFSET_SLOT]] = st[index[RNG_OFFSET_SLOT]] + 1
 
 
-def _distinct_grad_nodes(rec: Recorder, trainable, grads) -> list[torch.Tensor | None]:
+def _distinct_grad_nodes(
+    rec: Recorder, trainable: list[tuple[str, nn.Parameter, ParamOptim]], grads: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
     """Give each parameter's gradient its own node (``recir.grad_of`` names one parameter per node).
 
     A gradient that is a graph input (``loss = (w * x).sum()``) or shared by two parameters is cloned.
@@ -210,7 +221,9 @@ def _distinct_grad_nodes(rec: Recorder, trainable, grads) -> list[torch.Tensor |
     return out
 
 
-def _finish_graph(gm: fx.GraphModule, rec: Recorder, slots: list[StateSlot], batch_names: list[str]):
+def _finish_graph(
+    gm: fx.GraphModule, rec: Recorder, slots: list[StateSlot], batch_names: list[str]
+) -> list[StateSlot]:
     graph = gm.graph
     post.tag_phases(graph, rec.marks, rec.param_ranges)
     for slot, node in rec.grad_nodes.items():

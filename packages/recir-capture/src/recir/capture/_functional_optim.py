@@ -125,7 +125,9 @@ def apply_update(
 # = a + w * (b - a), else b - (b - a) * (1 - w).
 
 
-def _sgd(param, g, state, sc, h):
+def _sgd(
+    param: Tensor, g: Tensor, state: dict[str, Tensor], sc: dict[str, Tensor], h: dict[str, Any]
+) -> tuple[Tensor, dict[str, Tensor]]:
     if h["weight_decay"] != 0:
         g = g + h["weight_decay"] * param
     new_state: dict[str, Tensor] = {}
@@ -147,7 +149,15 @@ def _lerp(a: Tensor, b: Tensor, w: float) -> Tensor:
     return a + w * (b - a) if abs(w) < 0.5 else b - (b - a) * (1 - w)
 
 
-def _adam(param, g, state, sc, h, *, decoupled):
+def _adam(
+    param: Tensor,
+    g: Tensor,
+    state: dict[str, Tensor],
+    sc: dict[str, Tensor],
+    h: dict[str, Any],
+    *,
+    decoupled: bool,
+) -> tuple[Tensor, dict[str, Tensor]]:
     beta1, beta2 = h["betas"]
     wd = h["weight_decay"]
     if wd != 0:
@@ -167,7 +177,9 @@ def _adam(param, g, state, sc, h, *, decoupled):
     return param - sc["step_size"] * (exp_avg / denom), new_state
 
 
-def _adagrad(param, g, state, sc, h):
+def _adagrad(
+    param: Tensor, g: Tensor, state: dict[str, Tensor], sc: dict[str, Tensor], h: dict[str, Any]
+) -> tuple[Tensor, dict[str, Tensor]]:
     if h["weight_decay"] != 0:
         g = g + h["weight_decay"] * param
     new_sum = state["sum"] + g * g

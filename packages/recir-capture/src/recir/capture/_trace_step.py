@@ -87,10 +87,10 @@ def check_inputs_unmutated(
     slots: Sequence[StateSlot],
     bslots: Sequence[BatchSlot],
 ) -> None:
-    for t, s in zip(batch, bslots):
+    for t, b in zip(batch, bslots):
         if has_data_mutation(t):
             raise CaptureError(
-                f"the step modifies batch tensor {s.name!r} in place (through a view or an op capture did "
+                f"the step modifies batch tensor {b.name!r} in place (through a view or an op capture did "
                 "not see directly).\nFix: clone the batch tensor before modifying it, or use out-of-place ops."
             )
     for t, s in zip(state, slots):
