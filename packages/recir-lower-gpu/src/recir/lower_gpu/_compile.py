@@ -121,7 +121,9 @@ def compile(
             "Fix: set cuda_graphs=False or in_place=True."
         )
     started = time.perf_counter()
-    prepared, backend = apply_embedding_backend(step, embedding_backend, dev)
+    prepared, backend = apply_embedding_backend(
+        step, embedding_backend, dev, sparse_updates=options.sparse_updates
+    )
     gm = copy_graph_module(prepared.graph_module)
     retarget_devices(gm, dev)
     _check_distributed(gm, plan)

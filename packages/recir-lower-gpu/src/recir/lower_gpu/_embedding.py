@@ -12,11 +12,13 @@ from recir.transforms import StepGraph
 
 
 def apply_embedding_backend(
-    step: StepGraph, backend: str | None, device: torch.device
+    step: StepGraph, backend: str | None, device: torch.device, *, sparse_updates: bool = True
 ) -> tuple[StepGraph, str]:
     """The step with ``backend`` applied for ``device`` (never mutates ``step``) and the backend's name."""
     from recir.embedding import default_backend, prepare_for_lowering
 
-    prepared = prepare_for_lowering(step, backend=backend, target="gpu", device=device)
+    prepared = prepare_for_lowering(
+        step, backend=backend, target="gpu", device=device, sparse_updates=sparse_updates
+    )
     report = prepared.meta.get("recir.embedding", {})
     return prepared, str(report.get("backend", backend or default_backend("gpu", device)))

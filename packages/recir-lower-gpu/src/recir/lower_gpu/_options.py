@@ -26,6 +26,9 @@ class GPUOptions:
     - ``in_place``: update state through the signature's state-in/state-out pairing (a ``copy_``
       epilogue Inductor fuses into the kernels that compute the new state), so a step allocates no
       second persistent copy of parameters or optimizer state. ``False`` returns fresh state tensors.
+    - ``sparse_updates``: let recir-embedding turn embedding-table updates into row-wise updates of
+      the touched rows (cost grows with the ids in a batch, not the table). Adam/AdamW and weight decay
+      then become lazy (FBGEMM's semantics); ``False`` keeps torch.optim's dense maths exactly.
     - ``cache``: use Inductor's FX graph cache and AOTAutograd cache on disk.
     - ``cache_dir``: the Inductor cache folder; ``None`` means ``$TORCHINDUCTOR_CACHE_DIR`` if the
       user set it, else ``$RECIR_CACHE_DIR/inductor`` (default ``~/.cache/recir/inductor``).
@@ -37,6 +40,7 @@ class GPUOptions:
     mode: InductorMode = "default"
     cuda_graphs: bool | None = None
     in_place: bool = True
+    sparse_updates: bool = True
     cache: bool = True
     cache_dir: str | None = None
     memoize_cpu_isa_probe: bool = True
