@@ -48,7 +48,8 @@ def _batches(rows: int, args: argparse.Namespace, n: int) -> list[tuple[Any, Any
     cap = args.batch * args.ids_per_sample * 2
     for _ in range(n):
         lengths = torch.randint(0, 2 * args.ids_per_sample, (args.batch,), generator=gen)
-        values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+        hi = min(rows, args.small) if args.same_ids else rows
+        values = torch.randint(0, hi, (int(lengths.sum()),), generator=gen)
         kjt = KeyedJaggedTensor(keys=["f"], values=values, lengths=lengths)
         jb, _ = pad_to_bucket(kjt, [cap])
         y = torch.randn(args.batch, generator=gen)
@@ -151,6 +152,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--same-ids",
+        action="store_true",
+        help="draw ids from the small table's range for both sizes (separates table size from cache misses)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
     p.add_argument("--worker", nargs=2, metavar=("PATH", "ROWS"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -158,11 +164,14 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args.worker[0], int(args.worker[1]), args)))
         return
     passthrough = [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("paths", "worker")
+        f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f"={v}")
+        for k, v in vars(args).items()
+        if k not in ("paths", "worker") and v is not False
     ]
     print(
         f"embedding step time: tables of {args.small:,} and {args.large:,} rows x {args.dim}, batch {args.batch}, "
         f"~{args.ids_per_sample} ids/sample (SGD), median of {args.steps} steps"
+        + (f", ids in [0, {args.small:,}) for both" if args.same_ids else ", ids uniform over each table")
     )
     header = f"{'path':<12} {'small ms':>9} {'large ms':>9} {'ratio':>6} {'step peak MB (small/large)':>27} {'setup MB (large)':>17}"
     print(header)
