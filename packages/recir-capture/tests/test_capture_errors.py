@@ -212,3 +212,15 @@ def test_capture_errors_non_tensor_batch_leaf() -> None:
     model = testing.MLP()
     with pytest.raises(CaptureError, match="batch leaf 'n' is a int"):
         capture_train_step(model, _sgd(model), _loss, {**_batch(), "n": 3})
+
+
+def test_capture_errors_backward_inside_loss_fn() -> None:
+    model = testing.MLP()
+
+    def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = _loss(m, batch)
+        loss.backward()
+        return loss
+
+    with pytest.raises(CaptureError, match=r"(?s)runs a backward pass.*Fix: make loss_fn only compute"):
+        capture_train_step(model, _sgd(model), loss_fn, _batch())

@@ -161,6 +161,9 @@ _RANDOM: dict[Any, Callable[..., Any]] = {
 }
 
 
+_BACKWARD_CALLS = {Tensor.backward, torch.autograd.backward}  # autograd.grad (penalties) stays allowed
+
+
 class CaptureFunctionMode(TorchFunctionMode):
     """Routes RNG calls to the state-carried RNG and checks in-place writes to the batch."""
 
@@ -173,6 +176,12 @@ class CaptureFunctionMode(TorchFunctionMode):
         handler = _RANDOM.get(func)
         if handler is not None:
             return handler(self.ctx, *args, **kwargs)
+        if func in _BACKWARD_CALLS:
+            raise CaptureError(
+                f"loss_fn runs a backward pass ({getattr(func, '__qualname__', func)}) {self.ctx.where()}.\n"
+                "Capture adds the backward and the optimizer step itself. Fix: make loss_fn only compute and "
+                "return the loss (or (loss, aux...)); no .backward(), zero_grad() or optimizer.step() in it."
+            )
         if self.ctx.batch_names:
             self.ctx.check_mutation(func, args, kwargs)
         return func(*args, **kwargs)
