@@ -152,14 +152,17 @@ EMB_PARAMS = {
 IDS_PER_SAMPLE = 2
 
 
-def _emb_step(state, batch):  # noqa: ANN001, ANN202
+def _emb_step(state, batch, sequence: bool = False):  # noqa: ANN001, ANN202
     k = len(EMB_PARAMS)
     params = [p.detach().requires_grad_(True) for p in state[:k]]
     ms, vs, step = state[k : 2 * k], state[2 * k : 3 * k], state[3 * k]
     dense, ids_u, off_u, ids_i, off_i, y = batch
     tu, ti, w1, b1, w3 = params
     eu = torch.ops.recir.embedding_bag(tu, ids_u, off_u, None, 0)
-    ei = torch.ops.recir.embedding_bag(ti, ids_i, off_i, None, 1)
+    if sequence:  # recir-embedding's unpooled lookup: one row per id, pooled here by a fixed-length mean
+        ei = torch.ops.recir.embedding(ti, ids_i).view(-1, IDS_PER_SAMPLE, ti.shape[1]).mean(1)
+    else:
+        ei = torch.ops.recir.embedding_bag(ti, ids_i, off_i, None, 1)
     h = torch.relu(torch.cat([eu, ei, dense], 1) @ w1.t() + b1)
     pred = (h @ w3.t()).squeeze(1)
     loss = ((pred - y) ** 2).mean()
@@ -196,12 +199,16 @@ def concat_batches(batches: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return out
 
 
-def emb_step(batch_size: int) -> StepGraph:
+def emb_step(batch_size: int, sequence: bool = False) -> StepGraph:
+    """The two-table model; ``sequence=True`` looks the item table up with ``recir::embedding`` (unpooled)."""
+    if sequence:
+        import recir.embedding  # noqa: F401 - registers recir::embedding
+    fn = (lambda s, b: _emb_step(s, b, sequence=True)) if sequence else _emb_step
     example = emb_batch(batch_size, 0)
     roles = ["dense", "ids", "offsets", "ids", "offsets", "label"]
     names = ["dense", "user_ids", "user_offsets", "item_ids", "item_offsets", "label"]
     batch = {n: (r, t) for n, r, t in zip(names, roles, example)}
-    return trace(_emb_step, _state_spec(EMB_PARAMS), batch, len(EMB_PARAMS), ["loss"])
+    return trace(fn, _state_spec(EMB_PARAMS), batch, len(EMB_PARAMS), ["loss"])
 
 
 def collective_lines(step: StepGraph) -> str:

@@ -59,7 +59,8 @@ def train_and_compare(rank: int, world: int, kind: str, modes: list[Any], steps:
         local_step, global_step = M.mlp_step(local_b), M.mlp_step(local_b * world)
         make_batch, params = M.mlp_batch, M.MLP_PARAMS
     else:
-        local_step, global_step = M.emb_step(local_b), M.emb_step(local_b * world)
+        seq = kind == "seq"
+        local_step, global_step = M.emb_step(local_b, seq), M.emb_step(local_b * world, seq)
         make_batch, params = M.emb_batch, M.EMB_PARAMS
     full0 = M.init_state(params)
 

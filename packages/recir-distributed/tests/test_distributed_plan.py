@@ -72,6 +72,12 @@ def test_table_schemes(emb):
     assert rw.slots["param:item.weight"]["scheme"] == "row_wise"
     assert rw.slots["optim:item.weight:exp_avg"]["scheme"] == "row_wise"
     assert rw.slots["param:user.weight"]["placement"] == "replicate"
+    hybrid = rd.plan(
+        emb, rd.HybridParallel(tables=rd.table_wise(), dense=rd.FullyShardedDataParallel()), mesh
+    )
+    assert hybrid.slots["param:user.weight"]["scheme"] == "table_wise"
+    assert hybrid.slots["param:fc1.weight"]["scheme"] == "fsdp"
+    assert hybrid.slots["param:head.weight"]["placement"] == "replicate"
     cw = rd.plan(emb, "column_wise", mesh)
     assert cw.local_shape("param:user.weight", 1) == (16, 2)
     lookups = [n for n in emb.graph.nodes if n.meta.get(SHARDING_KEY, {}).get("role") == "lookup"]
@@ -119,6 +125,12 @@ def test_over_budget_names_the_table_and_numbers(emb):
         ConfigError, match=r"device 0 holds .* budget is .*largest slot is 'param:fc1.weight'"
     ):
         rd.plan(emb, rd.DataParallel(), mesh, memory_budget=1000)
+
+
+def test_gpu_path_needs_a_one_dimensional_mesh(emb):
+    plan = rd.plan(emb, rd.DataParallel(), rd.Mesh(axes={"data": 2, "model": 2}))
+    with pytest.raises(ConfigError, match="supports one active mesh axis"):
+        rd.distribute(emb, plan, 0)
 
 
 def test_batch_and_scheme_errors(emb):

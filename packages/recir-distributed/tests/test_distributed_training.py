@@ -13,16 +13,18 @@ from _distributed_workers import spawn, train_and_compare_all
 
 def test_two_ranks_train_like_one_process():
     mixed = rd.HybridParallel(tables=(rd.table_wise("item.weight"), rd.column_wise("user.weight")))
+    sharded_dense = rd.HybridParallel(tables=rd.row_wise(), dense=rd.FullyShardedDataParallel())
+    emb_modes = ["data_parallel", "fsdp", "table_wise", "row_wise", "column_wise", mixed, sharded_dense]
     spawn(
         train_and_compare_all,
         2,
         [
             ("mlp", ["data_parallel", rd.FullyShardedDataParallel()], 10),
-            (
-                "emb",
-                ["data_parallel", "fsdp", "table_wise", "row_wise", "column_wise", mixed, ("auto", 1950)],
-                10,
-            ),
+            ("emb", [*emb_modes, ("auto", 1950)], 10),
+            # the item table through recir-embedding's unpooled recir::embedding
+            ("seq", ["table_wise", "row_wise", "column_wise"], 10),
+            # recir.capture of an nn.Module with two nn.EmbeddingBag tables and torch.optim.Adam
+            ("captured", ["data_parallel", "fsdp", "row_wise"], 10),
         ],
     )
 

@@ -66,24 +66,24 @@ def plan(
         for o in optim_slots_of(step, param):
             slots[o.name] = _follow(param, shapes[param], o.name, o.shape, sh)
 
-    if isinstance(resolved, FullyShardedDataParallel):
+    def fsdp(opts: FullyShardedDataParallel, skip: set[str]) -> None:
         d = mesh.data_size
         for s in sig.state:
-            if s.kind != "param" or not s.shape:
+            if s.kind != "param" or not s.shape or s.name in skip:
                 continue
-            if s.shape[0] % d or math.prod(s.shape) < resolved.min_numel:
+            if s.shape[0] % d or math.prod(s.shape) < opts.min_numel:
                 explanation.append(f"{s.name}: replicated (dim 0 = {s.shape[0]} does not split {d} ways)")
                 continue
             assign(
                 s.name, {"placement": "shard", "axis": "data", "dim": 0, "num_shards": d, "scheme": "fsdp"}
             )
+
+    if isinstance(resolved, FullyShardedDataParallel):
+        fsdp(resolved, set())
     elif isinstance(resolved, HybridParallel):
         _place_tables(resolved, tables, shapes, dtypes, nshards, table_axis, assign, explanation)
         if isinstance(resolved.dense, FullyShardedDataParallel):
-            raise ConfigError(
-                "HybridParallel(dense=FullyShardedDataParallel()) is not supported yet; "
-                "use dense=DataParallel() (the default) or FullyShardedDataParallel alone"
-            )
+            fsdp(resolved.dense, {t for t in tables if slots[t].get("placement") == "shard"})
     elif resolved == "auto":
         _auto(step, tables, shapes, dtypes, nshards, table_axis, memory_budget, assign, explanation)
     elif not isinstance(resolved, DataParallel):  # pragma: no cover - normalize_mode guards this

@@ -1,4 +1,5 @@
 """``recir-dist-shard-tables``: sharded embedding tables with all-to-alls (TorchRec-style input/output dist).
+Handles pooled ``recir::embedding_bag`` and unpooled ``recir::embedding`` (recir-embedding) lookups.
 
 Each device sends its ids (and offsets, per-sample weights) to the devices holding the table, they look up
 and pool for every source device, and an all-to-all returns the pooled rows; in the backward the per-id
@@ -30,7 +31,7 @@ from recir.transforms import (
     register_transform,
 )
 
-from .._graphinfo import GRAD_OF_KEY, aliases_of, lookups_of, optim_slots_of, state_placeholders
+from .._graphinfo import GRAD_OF_KEY, aliases_of, lookup_ops, lookups_of, optim_slots_of, state_placeholders
 from .._rewrite import C10D, call, collective, copy_step, repropagate, with_local_state
 from ._common import PlanOptions, check_plan_matches
 
@@ -55,7 +56,7 @@ class ShardTables(Transform):
         for table in self._targets(step):
             if not lookups_of(step, table):
                 raise ConfigError(
-                    f"{self.name}: table {table!r} is sharded but no recir::embedding_bag reads it (an aten "
+                    f"{self.name}: table {table!r} is sharded but no recir::embedding_bag or recir::embedding reads it (an aten "
                     "embedding op cannot be sharded). Fix: capture with recir.embedding.overrides(), or "
                     "use FullyShardedDataParallel / DataParallel for this table."
                 )
@@ -117,44 +118,48 @@ class _Rewrite:
 
     def apply(self) -> None:
         g, lk = self.graph, self.lookup
-        weight, ids, offs, psw, mode = (list(lk.args) + [None] * 5)[:5]
-        n, b = _shape(ids)[0], _shape(offs)[0] - 1
+        pooled_op = lk.target is torch.ops.recir.embedding_bag.default
+        if pooled_op:
+            weight, ids, offs, psw, mode = (list(lk.args) + [None] * 5)[:5]
+        else:  # recir::embedding(weight, ids): one row per id, so "bags" are the ids themselves
+            (weight, ids), offs, psw, mode = lk.args[:2], None, None, 0
+        n = _shape(ids)[0]
+        b = _shape(offs)[0] - 1 if offs is not None else n
         holder = self.rank in self.holders
         with g.inserting_before(lk):
             ids_all = self.send_to_holders(ids, n, "forward", "ids")
-            offs_all = self.send_to_holders(offs, b + 1, "forward", "offsets")
+            offs_all = self.send_to_holders(offs, b + 1, "forward", "offsets") if offs is not None else None
             psw_all = self.send_to_holders(psw, n, "forward", "weights") if psw is not None else None
             mask = None
             if self.scheme == "row_wise":
-                lo = self.rank * self.local_rows
-                local = call(g, aten.sub.Tensor, ids_all, lo, phase="forward")
-                inside = call(
-                    g,
-                    aten.logical_and.default,
-                    call(g, aten.ge.Scalar, local, 0, phase="forward"),
-                    call(g, aten.lt.Scalar, local, self.local_rows, phase="forward"),
-                    phase="forward",
-                )
-                ids_all = call(g, aten.where.ScalarOther, inside, local, 0, phase="forward")
-                mask = call(g, aten._to_copy.default, inside, phase="forward")
-                mask.update_kwarg("dtype", _dtype(weight))
-                psw_all = (
-                    mask if psw_all is None else call(g, aten.mul.Tensor, mask, psw_all, phase="forward")
-                )
+                ids_all, mask = self.localize(ids_all, weight)
+                if pooled_op:
+                    psw_all = (
+                        mask if psw_all is None else call(g, aten.mul.Tensor, mask, psw_all, phase="forward")
+                    )
             if holder:
                 parts = []
                 for i in range(self.d):
                     ids_i = call(g, aten.slice.Tensor, ids_all, 0, i * n, (i + 1) * n, phase="forward")
-                    offs_i = call(
-                        g, aten.slice.Tensor, offs_all, 0, i * (b + 1), (i + 1) * (b + 1), phase="forward"
-                    )
-                    psw_i = None
-                    if psw_all is not None:
-                        psw_i = call(g, aten.slice.Tensor, psw_all, 0, i * n, (i + 1) * n, phase="forward")
-                    part_mode = 0 if self.scheme == "row_wise" else mode
-                    part = call(g, lk.target, weight, ids_i, offs_i, psw_i, part_mode, phase="forward")
+                    if pooled_op:
+                        offs_i = call(
+                            g, aten.slice.Tensor, offs_all, 0, i * (b + 1), (i + 1) * (b + 1), phase="forward"
+                        )
+                        psw_i = None
+                        if psw_all is not None:
+                            psw_i = call(
+                                g, aten.slice.Tensor, psw_all, 0, i * n, (i + 1) * n, phase="forward"
+                            )
+                        part_mode = 0 if self.scheme == "row_wise" else mode
+                        part = call(g, lk.target, weight, ids_i, offs_i, psw_i, part_mode, phase="forward")
+                    else:
+                        part = call(g, lk.target, weight, ids_i, phase="forward")
                     part.meta[OVERRIDE_KEY] = lk.meta.get(OVERRIDE_KEY)
                     part.meta[SHARDING_KEY] = {**self.sh, "role": "lookup", "table": self.table}
+                    if mask is not None and not pooled_op:  # rows held elsewhere contribute zeros
+                        mask_i = call(g, aten.slice.Tensor, mask, 0, i * n, (i + 1) * n, phase="forward")
+                        mask_i = call(g, aten.unsqueeze.default, mask_i, 1, phase="forward")
+                        part = call(g, aten.mul.Tensor, part, mask_i, phase="forward")
                     parts.append(part)
                 send = parts[0] if len(parts) == 1 else call(g, aten.cat.default, parts, 0, phase="forward")
             else:
@@ -167,7 +172,24 @@ class _Rewrite:
         g.erase_node(lk)
         self.rewrite_backward(ids, n, ids_all, mask, weight)
 
-    def combine(self, recv: fx.Node, offs: fx.Node, b: int, mode: Any) -> fx.Node:
+    def localize(self, ids_all: fx.Node, weight: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """Row-wise: ids relative to this device's row block (0 outside it) and a 0/1 mask of ids it holds."""
+        g = self.graph
+        lo = self.rank * self.local_rows
+        local = call(g, aten.sub.Tensor, ids_all, lo, phase="forward")
+        inside = call(
+            g,
+            aten.logical_and.default,
+            call(g, aten.ge.Scalar, local, 0, phase="forward"),
+            call(g, aten.lt.Scalar, local, self.local_rows, phase="forward"),
+            phase="forward",
+        )
+        local = call(g, aten.where.ScalarOther, inside, local, 0, phase="forward")
+        mask = call(g, aten._to_copy.default, inside, phase="forward")
+        mask.update_kwarg("dtype", _dtype(weight))
+        return local, mask
+
+    def combine(self, recv: fx.Node, offs: fx.Node | None, b: int, mode: Any) -> fx.Node:
         g = self.graph
         if self.scheme == "table_wise":
             return recv
@@ -183,7 +205,7 @@ class _Rewrite:
             [0],
             phase="forward",
         )
-        if mode == 1:
+        if mode == 1 and offs is not None:
             hi = call(g, aten.slice.Tensor, offs, 0, 1, b + 1, phase="forward")
             lo = call(g, aten.slice.Tensor, offs, 0, 0, b, phase="forward")
             lengths = call(
@@ -253,7 +275,7 @@ def _check_only_lookups(step: StepGraph, table: str, name: str) -> None:
     for user in (u for a in aliases for u in a.users):
         if user.op == "output" or user.meta.get(PHASE_KEY) == "optimizer" or user in aliases:
             continue
-        if user.target is torch.ops.recir.embedding_bag.default and user.args[0] in aliases:
+        if user.target in lookup_ops() and user.args[0] in aliases:
             continue
         raise ConfigError(
             f"{name}: table {table!r} is read by %{user.name} ({user.target}) outside its lookups; a sharded "
