@@ -25,12 +25,12 @@ from ._model import DLRMv3 as DLRMv3
 from ._model import loss_fn as loss_fn
 from ._model import multitask_loss as multitask_loss
 from ._optim import make_optimizers as make_optimizers
+from ._options import TrainOptions as TrainOptions
 from ._parity import ParityRow as ParityRow
 from ._parity import run_parity as run_parity
 from ._prepare import prepare_kuairand as prepare_kuairand
 from ._prepare import prepare_movielens as prepare_movielens
 from ._synthetic import SyntheticDataset as SyntheticDataset
-from ._train import TrainOptions as TrainOptions
 from ._train import TrainResult as TrainResult
 from ._train import evaluate as evaluate
 from ._train import train as train

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,11 +53,36 @@ class Batch:
         return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, self)
 
 
-_FIELDS = [f.name for f in fields(Batch)]
+_DENSE = [f.name for f in fields(Batch) if f.name != "features"]
+
+
+def _flatten_with_keys(b: Batch) -> tuple[list[tuple[Any, torch.Tensor]], tuple[Any, ...]]:
+    # The KJT flattens to its two tensors (values, lengths); keys, stride and per-key sizes (all
+    # static here) ride in the context, so every leaf is a tensor and the rebuilt KJT never needs
+    # .tolist() to split its values (which make_fx could not trace).
+    kjt = b.features
+    leaves = [
+        (pytree.GetAttrKey("features_values"), kjt.values()),
+        (pytree.GetAttrKey("features_lengths"), kjt.lengths()),
+    ]
+    leaves += [(pytree.GetAttrKey(n), getattr(b, n)) for n in _DENSE]
+    return leaves, (tuple(kjt.keys()), kjt.stride(), tuple(kjt.length_per_key()))
+
+
+def _unflatten(values: Any, context: tuple[Any, ...]) -> Batch:
+    values = list(values)
+    keys, stride, per_key = context
+    kjt = KeyedJaggedTensor(
+        keys=list(keys), values=values[0], lengths=values[1], stride=stride, length_per_key=list(per_key)
+    )
+    return Batch(kjt, *values[2:])
+
+
 pytree.register_pytree_node(
     Batch,
-    lambda b: ([getattr(b, n) for n in _FIELDS], None),
-    lambda values, _ctx: Batch(*values),
+    lambda b: ([t for _, t in _flatten_with_keys(b)[0]], _flatten_with_keys(b)[1]),
+    _unflatten,
+    flatten_with_keys_fn=_flatten_with_keys,
     serialized_type_name="recir.dlrmv3.Batch",
 )
 
@@ -135,6 +161,8 @@ def collate(
         keys=list(spec.features),
         values=torch.from_numpy(values),
         lengths=torch.from_numpy(kjt_lengths),
+        stride=B,
+        length_per_key=[B * uih_len, B * num_candidates] + [B] * len(spec.contextual),
     )
     return Batch(
         features=features,

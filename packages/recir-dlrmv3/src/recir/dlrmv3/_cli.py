@@ -9,9 +9,7 @@ import sys
 
 from recir.transforms import RecIRError
 
-from ._config import DATASETS
-from ._optim import TABLE_OPTIMIZERS
-from ._trainers import EMBEDDING_BACKENDS, TARGETS
+from ._config import DATASETS, EMBEDDING_BACKENDS, TABLE_OPTIMIZERS, TARGETS
 
 DEFAULT_TARGET = "eager"
 
@@ -26,6 +24,7 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     )
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (0 = inline)")
     g.add_argument("--seed", type=int, default=0, help="seed of the model init, dropout and synthetic data")
+    g.add_argument("--num_threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     m = p.add_argument_group("model")
     for name in ("embedding_dim", "num_layers", "num_heads", "uih_len", "num_candidates", "hash_size"):
         m.add_argument(f"--{name}", type=int, default=d[name], help="default %(default)s")
@@ -53,7 +52,7 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ._train import TrainOptions
+    from ._options import TrainOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
     defaults["target"] = DEFAULT_TARGET
@@ -88,9 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the same model and batches eagerly and through --target; print per-step "
         "loss / parameter / optimizer-state differences; exit 1 past --atol.",
     )
-    parity_defaults = dict(
-        defaults, target="gpu", input_dropout=0.0, layer_dropout=0.0, table_optimizer="adam"
-    )
+    parity_defaults = dict(defaults, target="gpu", input_dropout=0.0, layer_dropout=0.0)
     _add_model_and_data(pp, parity_defaults)
     pp.add_argument("--steps", type=int, default=3, help="steps to compare (default %(default)s)")
     pp.add_argument("--atol", type=float, default=1e-4, help="tolerance (default %(default)s)")
@@ -108,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace) -> object:
-    from ._train import TrainOptions
+    from ._options import TrainOptions
 
     names = {f.name for f in dataclasses.fields(TrainOptions)}
     return TrainOptions(**{k: v for k, v in vars(args).items() if k in names})

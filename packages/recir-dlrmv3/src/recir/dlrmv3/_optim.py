@@ -10,6 +10,8 @@ import torch
 from recir.transforms import ConfigError
 from torch import nn
 
+from ._config import TABLE_OPTIMIZERS
+
 TABLE_PREFIX = "ec."
 
 
@@ -31,14 +33,18 @@ def rowwise_adagrad_class() -> type[torch.optim.Optimizer]:
         return torch.optim.Adagrad
 
 
-TABLE_OPTIMIZERS = ("rowwise_adagrad", "adam")
-
-
 def make_optimizers(
-    model: nn.Module, lr: float, sparse_lr: float, table_optimizer: str = "rowwise_adagrad"
+    model: nn.Module,
+    lr: float,
+    sparse_lr: float,
+    table_optimizer: str = "rowwise_adagrad",
+    target: str = "eager",
 ) -> list[torch.optim.Optimizer]:
     """[dense Adam, table row-wise Adagrad], or with `table_optimizer="adam"` one Adam whose second
-    param group holds the tables (what a single captured optimizer can express today)."""
+    param group holds the tables (what a single captured optimizer can express today). "auto" is
+    row-wise Adagrad on the eager target and Adam on the compiled ones."""
+    if table_optimizer == "auto":
+        table_optimizer = "rowwise_adagrad" if target == "eager" else "adam"
     dense, tables = split_params(model)
     adam = {"betas": (0.95, 0.999), "eps": 1e-8}
     if table_optimizer == "adam":

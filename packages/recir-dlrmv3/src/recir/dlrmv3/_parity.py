@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._train import TrainOptions, build
+from ._options import TrainOptions
+from ._train import build
 from ._trainers import EagerTrainer, make_trainer
 
 

@@ -16,68 +16,12 @@ import torch
 from recir.transforms import ConfigError
 
 from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ._config import ModelConfig
 from ._data import Data, make_data, train_batches
 from ._metrics import MetricAccumulator
 from ._model import DLRMv3
 from ._optim import make_optimizers
+from ._options import TrainOptions
 from ._trainers import Trainer, make_trainer
-
-
-@dataclass
-class TrainOptions:
-    """Every `train` flag (the CLI builds one of these)."""
-
-    target: str = "eager"
-    dataset: str = "debug"
-    data_dir: str | None = None
-    batch_size: int = 16
-    num_workers: int = 0
-    num_train_batches: int = 400
-    embedding_dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    uih_len: int = 32
-    num_candidates: int = 4
-    hash_size: int = 1000
-    input_dropout: float = 0.2
-    layer_dropout: float = 0.1
-    embedding_backend: str | None = None
-    log_every: int = 50
-    seed: int = 0
-    eval_every: int = 0
-    num_eval_batches: int = 16
-    tensorboard_dir: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: str | None = None
-    lr: float = 1e-3
-    sparse_lr: float = 1e-3
-    table_optimizer: str = "rowwise_adagrad"
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(
-            embedding_dim=self.embedding_dim,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            uih_len=self.uih_len,
-            num_candidates=self.num_candidates,
-            hash_size=self.hash_size,
-            input_dropout=self.input_dropout,
-            layer_dropout=self.layer_dropout,
-        )
-
-    def check(self) -> None:
-        for key in ("num_train_batches", "log_every", "num_eval_batches"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("num_workers", "eval_every", "checkpoint_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"--{key} must be >= 0, got {getattr(self, key)}")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ConfigError("--checkpoint_every needs --checkpoint_dir")
-        if self.resume == "latest" and not self.checkpoint_dir:
-            raise ConfigError("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")
 
 
 @dataclass
@@ -93,11 +37,13 @@ class TrainResult:
 def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]]:
     """Model (seeded), data and optimizers for `opts`."""
     opts.check()
+    if opts.num_threads:
+        torch.set_num_threads(opts.num_threads)
     config = opts.model_config()
     data = make_data(opts.dataset, config, batch_size=opts.batch_size, seed=opts.seed, data_dir=opts.data_dir)
     torch.manual_seed(opts.seed)
     model = DLRMv3(data.spec, config)
-    return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.table_optimizer)
+    return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.table_optimizer, opts.target)
 
 
 def evaluate(trainer: Trainer, data: Data, num_batches: int) -> dict[str, float]:

@@ -1,0 +1,67 @@
+"""`TrainOptions`: every flag of `train`/`parity` as one dataclass (imports no TorchRec, so the CLI's
+--help stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recir.transforms import ConfigError
+
+from ._config import ModelConfig
+
+
+@dataclass
+class TrainOptions:
+    """Every `train` flag (the CLI builds one of these)."""
+
+    target: str = "eager"
+    dataset: str = "debug"
+    data_dir: str | None = None
+    batch_size: int = 16
+    num_workers: int = 0
+    num_train_batches: int = 400
+    embedding_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    uih_len: int = 32
+    num_candidates: int = 4
+    hash_size: int = 1000
+    input_dropout: float = 0.2
+    layer_dropout: float = 0.1
+    embedding_backend: str | None = None
+    log_every: int = 50
+    seed: int = 0
+    eval_every: int = 0
+    num_eval_batches: int = 16
+    tensorboard_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    lr: float = 1e-3
+    sparse_lr: float = 1e-3
+    table_optimizer: str = "auto"
+    num_threads: int = 0
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            embedding_dim=self.embedding_dim,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            uih_len=self.uih_len,
+            num_candidates=self.num_candidates,
+            hash_size=self.hash_size,
+            input_dropout=self.input_dropout,
+            layer_dropout=self.layer_dropout,
+        )
+
+    def check(self) -> None:
+        for key in ("num_train_batches", "log_every", "num_eval_batches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("num_workers", "eval_every", "checkpoint_every", "num_threads"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"--{key} must be >= 0, got {getattr(self, key)}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint_every needs --checkpoint_dir")
+        if self.resume == "latest" and not self.checkpoint_dir:
+            raise ConfigError("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")

@@ -1,0 +1,231 @@
+"""Batch format, synthetic data, file loaders (real formats, written here), `prepare`, metrics and
+checkpoint atomicity; every malformed input is a DataError naming the file and line."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from recir.dlrmv3 import (
+    PADDING_ID,
+    ModelConfig,
+    Sample,
+    auc,
+    collate,
+    dataset_spec,
+    latest_checkpoint,
+    load_checkpoint,
+    make_data,
+    normalized_entropy,
+    prepare_kuairand,
+    prepare_movielens,
+    save_checkpoint,
+)
+from recir.dlrmv3._metrics import MetricAccumulator
+from recir.transforms import ConfigError, DataError
+
+CFG = ModelConfig(embedding_dim=8, num_layers=1, uih_len=4, num_candidates=3, hash_size=100)
+
+
+def test_dlrmv3_collate_pads_truncates_and_hashes_to_static_shapes():
+    spec = dataset_spec("debug")
+    s = Sample(
+        uih_ids=np.array([11, 12, 13, 14, 15, 16]),
+        uih_timestamps=np.arange(6) + 100,
+        uih_actions=np.array([1, 0, 1, 0, 1, 0]),
+        cand_ids=np.array([7]),
+        cand_actions=np.array([1]),
+        contextual=np.array([0, 250]),
+    )
+    rows = {f: 100 for f in spec.features}
+    b = collate([s, s], spec, uih_len=4, num_candidates=3, rows=rows)
+    assert b.uih_lengths.tolist() == [4, 4] and b.num_candidates.tolist() == [1, 1]
+    assert b.uih_timestamps[0].tolist() == [102, 103, 104, 105]  # the most recent events are kept
+    values = b.features.values()
+    assert values.shape == (2 * 4 + 2 * 3 + 2 * 2,)
+    assert b.features.lengths().tolist() == [4, 4, 3, 3, 1, 1, 1, 1]
+    assert b.features.length_per_key() == [8, 6, 2, 2]
+    cand = values[8:14].view(2, 3)
+    assert cand[0].tolist() == [7, PADDING_ID, PADDING_ID]
+    ctx = values[14:]
+    assert PADDING_ID not in ctx.tolist() and int(ctx.max()) < 100  # hashed into [1, rows)
+    # the pytree round trip keeps every tensor and the KJT's static sizes
+    flat, spec_ = torch.utils._pytree.tree_flatten(b)
+    assert all(isinstance(t, torch.Tensor) for t in flat)
+    again = torch.utils._pytree.tree_unflatten(flat, spec_)
+    assert again.features.length_per_key() == [8, 6, 2, 2]
+
+
+def test_dlrmv3_synthetic_data_is_deterministic_and_skewed():
+    a = make_data("debug", CFG, batch_size=8, seed=3)
+    b = make_data("debug", CFG, batch_size=8, seed=3)
+    c = make_data("debug", CFG, batch_size=8, seed=4)
+    assert torch.equal(a.train_batch(5).features.values(), b.train_batch(5).features.values())
+    assert not torch.equal(a.train_batch(5).features.values(), c.train_batch(5).features.values())
+    ids = np.concatenate([a.train[i].uih_ids for i in range(300)])
+    counts = np.bincount(ids)
+    assert counts.max() > 10 * max(np.median(counts[counts > 0]), 1)  # popularity skew
+    rnd = make_data("debug-random", CFG, batch_size=8, seed=3)
+    s = rnd.train[0]
+    assert s.uih_ids.min() >= 1 and s.uih_ids.max() < 1000
+
+
+def _write(path, text):  # type: ignore[no-untyped-def]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _movielens_rows(n_users: int, n_events: int) -> str:
+    lines = [
+        "index,user_id,sequence_item_ids,sequence_ratings,sequence_timestamps,sex,age_group,occupation,zip_code"
+    ]
+    for u in range(n_users):
+        ids = ",".join(str(1 + (u * 7 + i) % 50) for i in range(n_events))
+        ratings = ",".join(str(1 + (u + i) % 5) for i in range(n_events))
+        ts = ",".join(str(978300000 + 60 * i) for i in range(n_events))
+        lines.append(f'{u},{u + 1},"{ids}","{ratings}","{ts}",{u % 2},{u % 7},{u % 21},{u}')
+    return "\n".join(lines) + "\n"
+
+
+def test_dlrmv3_movielens_loader_reads_the_sasrec_format(tmp_path):
+    _write(tmp_path / "sasrec_format.csv", _movielens_rows(8, 14) + '8,9,"1,2","4,5","1,2",0,0,0,0\n')
+    data = make_data("movielens-1m", CFG, batch_size=2, seed=0, data_dir=tmp_path)
+    assert len(data.train) + len(data.eval) == 8  # the 2-event user is skipped
+    assert len(data.train) == 6
+    s = data.train[0]
+    assert len(s.uih_ids) == 4 and len(s.cand_ids) == 10  # the last 10 events are candidates
+    # rating r sets action bit r-1; the task is rating >= 3.5 (bits 8|16)
+    assert set(np.unique(s.cand_actions)) <= {1, 2, 4, 8, 16}
+    batch = data.train_batch(0)
+    labels, _ = __import__("recir.dlrmv3", fromlist=["x"]).DLRMv3(data.spec, CFG).labels(batch)
+    assert labels.shape == (2, 3, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("index,user_id\n", r"sasrec_format.csv:1: header is missing column\(s\) sequence_item_ids"),
+        (
+            'index,user_id,sequence_item_ids,sequence_ratings,sequence_timestamps\n0,1,"1,x","5,5","1,2"\n',
+            r"sasrec_format.csv:2: column 'sequence_item_ids': expected a comma-separated list",
+        ),
+        (
+            'index,user_id,sequence_item_ids,sequence_ratings,sequence_timestamps\n0,1,"1,2","5","1,2"\n',
+            r"sasrec_format.csv:2: the per-event lists must have equal lengths",
+        ),
+        (
+            'index,user_id,sequence_item_ids,sequence_ratings,sequence_timestamps\n0,1,"1,2","9,5","1,2"\n',
+            r"sasrec_format.csv:2: column 'sequence_ratings': expected ratings 1..5",
+        ),
+    ],
+)
+def test_dlrmv3_malformed_movielens_file_names_file_and_line(tmp_path, text, expect):
+    _write(tmp_path / "sasrec_format.csv", text)
+    with pytest.raises(DataError, match=expect):
+        make_data("movielens-20m", CFG, batch_size=2, seed=0, data_dir=tmp_path)
+
+
+def test_dlrmv3_missing_files_and_bad_config_are_clear_errors(tmp_path):
+    with pytest.raises(
+        DataError, match=r"no sasrec_format.csv found; tried .*ml-1m/sasrec_format.csv.*prepare"
+    ):
+        make_data("movielens-1m", CFG, batch_size=2, seed=0, data_dir=tmp_path)
+    with pytest.raises(DataError, match="--data_dir"):
+        make_data("kuairand-1k", CFG, batch_size=2, seed=0)
+    with pytest.raises(ConfigError, match="--batch_size must be >= 1, got -1"):
+        make_data("debug", CFG, batch_size=-1, seed=0)
+    with pytest.raises(ConfigError, match="unknown dataset 'criteo'"):
+        make_data("criteo", CFG, batch_size=2, seed=0)
+    with pytest.raises(ConfigError, match="divisible by --num_heads"):
+        ModelConfig(embedding_dim=10, num_heads=3)
+
+
+def test_dlrmv3_prepare_movielens_1m_and_100k(tmp_path):
+    raw = tmp_path / "raw"
+    lines = [f"{u}::{m}::{1 + (u + m) % 5}::{978300000 + 37 * m}" for u in (1, 2, 3) for m in range(1, 16)]
+    _write(raw / "ratings.dat", "\n".join(lines) + "\n")
+    _write(raw / "users.dat", "1::F::1::10::48067\n2::M::56::16::70072\n3::M::25::15::55117\n")
+    out = prepare_movielens(raw, tmp_path / "ml-1m")
+    assert out.name == "sasrec_format.csv"
+    data = make_data("movielens-1m", CFG, batch_size=1, seed=0, data_dir=tmp_path)
+    assert len(data.train) + len(data.eval) == 3
+    assert data.train[0].contextual.tolist() == [1, 0, 0, 0, 0]  # user 1: first codes of each column
+    raw100 = tmp_path / "raw100"
+    _write(
+        raw100 / "u.data",
+        "\n".join(f"{u}\t{m}\t4\t{880000000 + m}" for u in (5, 6) for m in range(12)) + "\n",
+    )
+    prepare_movielens(raw100, tmp_path / "ml100k")
+    data = make_data("movielens-20m", CFG, batch_size=1, seed=0, data_dir=tmp_path / "ml100k")
+    assert len(data.train) + len(data.eval) == 2
+    _write(raw100 / "u.data", "5\t1\tfour\t880000000\n")
+    with pytest.raises(DataError, match=r"u.data:1: expected numbers"):
+        prepare_movielens(raw100, tmp_path / "bad")
+
+
+def test_dlrmv3_prepare_kuairand_and_load(tmp_path):
+    raw = tmp_path / "raw"
+    head = "user_id,video_id,date,hourmin,time_ms,is_click,is_like,is_follow,is_comment,is_forward,is_hate,long_view,play_time_ms,duration_ms,profile_stay_time,comment_stay_time,is_profile_enter,is_rand,tab"
+    rows = [
+        f"{u},{100 + i},20220408,1000,{1649376000000 + 1000 * i},{i % 2},{i % 3 == 0:d},0,0,0,0,1,5000,9000,0,0,{i % 5 == 0:d},0,1"
+        for u in (0, 1, 2)
+        for i in range(13)
+    ]
+    _write(raw / "log_standard_4_08_to_4_21_1k.csv", head + "\n" + "\n".join(rows) + "\n")
+    feats = "user_id,user_active_degree,follow_user_num_range,fans_user_num_range,friend_user_num_range,register_days_range\n"
+    feats += "0,high_active,0,1-10,0,61-90\n1,full_active,1-10,0,5-30,730+\n2,high_active,0,0,0,61-90\n"
+    _write(raw / "user_features_1k.csv", feats)
+    prepare_kuairand(raw, tmp_path / "KuaiRand-1K" / "data")
+    data = make_data("kuairand-1k", CFG, batch_size=1, seed=0, data_dir=tmp_path)
+    s = data.train[0]
+    assert len(s.uih_ids) == 3 and len(s.cand_ids) == 10
+    assert s.uih_actions[0] == 2 | 64 | 128  # event 0: like, long_view, profile_enter (no click)
+    assert s.uih_actions[1] == 1 | 64  # event 1: click, long_view
+    assert s.contextual.tolist()[1:] == [0, 0, 0, 0, 0]
+    with pytest.raises(DataError, match=r"no KuaiRand log files"):
+        prepare_kuairand(tmp_path / "nothing", tmp_path / "out")
+
+
+def test_dlrmv3_metrics_against_brute_force():
+    rng = np.random.default_rng(0)
+    scores = torch.tensor(rng.integers(0, 5, 40), dtype=torch.float32)  # many ties
+    labels = torch.tensor(rng.integers(0, 2, 40), dtype=torch.float32)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    brute = ((pos[:, None] > neg[None, :]).float() + 0.5 * (pos[:, None] == neg[None, :]).float()).mean()
+    assert math.isclose(auc(scores, labels), float(brute), rel_tol=1e-6)
+    p = float(labels.mean())
+    base = torch.full((40,), math.log(p / (1 - p)))
+    assert math.isclose(normalized_entropy(base, labels), 1.0, rel_tol=1e-6)
+    acc = MetricAccumulator(("t",))
+    logits = torch.tensor([[[2.0], [-1.0], [0.5]], [[1.0], [3.0], [9.0]]])
+    lab = torch.tensor([[[1.0], [0.0], [1.0]], [[1.0], [0.0], [0.0]]])
+    acc.update(logits, lab, torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]))
+    m = acc.compute()
+    assert m["t/auc"] == pytest.approx(2 / 6)  # positives (2, 1) beat only the negative -1 of (-1, 3, 9)
+    assert m["t/gauc"] == pytest.approx((1.0 * 2 + 0.0 * 3) / 5)  # per user, weighted by candidates
+    assert m["t/accuracy"] == pytest.approx(3 / 5)
+
+
+def test_dlrmv3_checkpoint_survives_a_crash_mid_write(tmp_path):
+    state = {
+        "param:w": torch.arange(6.0).view(2, 3),
+        "optim:step": torch.tensor(3.0),
+        "rng:x": torch.get_rng_state(),
+    }
+    save_checkpoint(tmp_path, 4, state, {"dataset": "debug"})
+    # a crash while writing step 8: the temp dir exists, 'latest' still names step 4
+    (tmp_path / ".tmp-step-8").mkdir()
+    (tmp_path / ".tmp-step-8" / "__0_0.distcp").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-4"
+    loaded, meta = load_checkpoint(tmp_path)
+    assert meta["step"] == 4 and torch.equal(loaded["param:w"], state["param:w"])
+    assert torch.equal(loaded["rng:x"], state["rng:x"])
+    for step in (8, 12, 16):
+        save_checkpoint(tmp_path, step, state, {})
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-12", "step-16"]
+    os.remove(tmp_path / "latest")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-16"
+    with pytest.raises(DataError, match="no complete checkpoint"):
+        load_checkpoint(tmp_path / "empty")

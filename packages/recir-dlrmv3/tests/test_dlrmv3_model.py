@@ -1,0 +1,153 @@
+"""The whole DLRMv3 model: padding invariance (static shapes change nothing), static-shape tracing by
+make_fx in fake mode, and float64 gradients against finite differences."""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from recir.dlrmv3 import DLRMv3, ModelConfig, Sample, collate, dataset_spec, loss_fn
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def _samples(n: int, seed: int = 0, max_uih: int = 6, max_cand: int = 3) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        u, c = int(rng.integers(1, max_uih + 1)), int(rng.integers(1, max_cand + 1))
+        out.append(
+            Sample(
+                uih_ids=rng.integers(1, 50, u),
+                uih_timestamps=1_600_000_000 + np.sort(rng.integers(0, 10**6, u)),
+                uih_actions=rng.integers(0, 32, u),
+                cand_ids=rng.integers(1, 50, c),
+                cand_actions=rng.integers(0, 4, c),
+                contextual=rng.integers(0, 50, 2),
+            )
+        )
+    return out
+
+
+def _model(seed: int = 0, **kw) -> tuple[DLRMv3, dict[str, int]]:
+    spec = dataset_spec("debug")
+    cfg = ModelConfig(**{"embedding_dim": 8, "num_layers": 2, "num_heads": 2, "hash_size": 50, **kw})
+    torch.manual_seed(seed)
+    model = DLRMv3(spec, cfg)
+    rows = {f: cfg.table_rows(t) for t in spec.tables for f in t.features}
+    return model, rows
+
+
+def test_dlrmv3_more_padding_changes_no_logit():
+    model, rows = _model(uih_len=6, num_candidates=3)
+    model.eval()
+    spec = model.spec
+    samples = _samples(4)
+    tight = collate(samples, spec, 6, 3, rows)
+    loose = collate(samples, spec, 11, 5, rows)
+    with torch.no_grad():
+        a, b = model(tight), model(loose)
+    torch.testing.assert_close(a, b[:, :3], atol=1e-5, rtol=1e-5)
+    # and the loss ignores the padded candidates
+    torch.testing.assert_close(loss_fn(model, tight)[0], loss_fn(model, loose)[0], atol=1e-5, rtol=1e-5)
+
+
+class _StaticEmbeddingStandIn(nn.Module):
+    """A traceable stand-in for the EmbeddingCollection: static splits of the KJT values."""
+
+    def __init__(self, model: DLRMv3, B: int, L: int, C: int) -> None:
+        super().__init__()
+        self.embeddings = model.ec.embeddings
+        self.sizes = [B * L, B * C] + [B] * len(model.spec.contextual)
+        self.table_of = {f: t.name for t in model.spec.tables for f in t.features}
+        self.keys = list(model.spec.features)
+
+    def forward(self, kjt):  # type: ignore[no-untyped-def]
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+
+        out = {}
+        for key, ids in zip(self.keys, kjt.values().split(self.sizes)):
+            rows = F.embedding(ids, self.embeddings[self.table_of[key]].weight)
+            out[key] = JaggedTensor(values=rows, lengths=torch.ones(rows.shape[0], dtype=torch.int64))
+        return out
+
+
+class _Loss(nn.Module):
+    def __init__(self, model: DLRMv3) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):  # type: ignore[no-untyped-def]
+        return loss_fn(self.model, batch)
+
+
+def test_dlrmv3_forward_and_backward_trace_with_static_shapes_in_fake_mode():
+    model, rows = _model(uih_len=6, num_candidates=3, input_dropout=0.2, layer_dropout=0.1)
+    batch = collate(_samples(4), model.spec, 6, 3, rows)
+    model.ec = _StaticEmbeddingStandIn(model, 4, 6, 3)  # type: ignore[assignment]
+    wrapper = _Loss(model)
+    params = dict(wrapper.named_parameters())
+    buffers = dict(wrapper.named_buffers())
+    flat, spec = pytree.tree_flatten(batch)
+    present = [i for i, t in enumerate(flat) if t is not None]
+
+    def step(params, buffers, tensors):  # type: ignore[no-untyped-def]
+        leaves = list(flat)
+        for i, t in zip(present, tensors):
+            leaves[i] = t
+        batch = pytree.tree_unflatten(leaves, spec)
+        loss, logits = torch.func.functional_call(wrapper, (params, buffers), (batch,))
+        grads = torch.autograd.grad(loss, list(params.values()))
+        return loss, logits, grads
+
+    gm = make_fx(step, tracing_mode="fake")(params, buffers, [flat[i] for i in present])
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("native_dropout" in t or "bernoulli" in t or "rand" in t for t in targets), "dropout traced"
+    assert not [t for t in targets if "_local_scalar_dense" in t or t.endswith(".item")], targets
+
+
+def test_dlrmv3_gradients_match_float64_finite_differences():
+    model, rows = _model(uih_len=4, num_candidates=2, input_dropout=0.0, layer_dropout=0.0, hash_size=12)
+    batch = collate(_samples(2, seed=3, max_uih=4, max_cand=2), model.spec, 4, 2, rows)
+    # TorchRec's EC computes in its table dtype (fp32); the stand-in does the same lookup in float64.
+    with torch.no_grad():
+        expect = model(batch)
+    model.ec = _StaticEmbeddingStandIn(model, 2, 4, 2)  # type: ignore[assignment]
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), expect)
+    model = model.double()
+    names = ["ec.embeddings.post_id.weight", "layers.0.uvqk.weight", "contextual_weight", "head.2.weight"]
+    params = dict(model.named_parameters())
+    chosen = [params[n] for n in names]
+
+    def f(*tensors):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in chosen]
+            for p, t in zip(chosen, tensors):
+                p.copy_(t)
+        try:
+            return loss_fn(model, batch)[0]
+        finally:
+            with torch.no_grad():
+                for p, s in zip(chosen, saved):
+                    p.copy_(s)
+
+    loss = loss_fn(model, batch)[0]
+    analytic = torch.autograd.grad(loss, chosen)
+    eps = 1e-6
+    rng = np.random.default_rng(0)
+    for p, g in zip(chosen, analytic):
+        flat = p.detach().reshape(-1)
+        for i in rng.choice(flat.numel(), size=6, replace=False):
+            plus, minus = flat.clone(), flat.clone()
+            plus[i] += eps
+            minus[i] -= eps
+            others = [q.detach() for q in chosen]
+            k = next(j for j, q in enumerate(chosen) if q is p)
+            num = (
+                f(*[plus.view_as(p) if j == k else others[j] for j in range(len(chosen))])
+                - f(*[minus.view_as(p) if j == k else others[j] for j in range(len(chosen))])
+            ) / (2 * eps)
+            assert abs(float(num) - float(g.reshape(-1)[i])) < 1e-7 + 1e-5 * abs(float(num)), (p.shape, i)
+    # the embedding rows that the batch touched got gradient, the padding row none
+    assert float(analytic[0][0].abs().sum()) == 0.0
+    assert float(analytic[0].abs().sum()) > 0.0
