@@ -357,3 +357,28 @@ def test_capture_graph_aux_outputs_never_alias_state() -> None:
     assert w.data_ptr() != sd["param:out.weight"].data_ptr()
     torch.testing.assert_close(rm, step.state_dict(new_state)["buffer:bn.running_mean"])
     torch.testing.assert_close(xt, case.make_batch(0)["x"].t())
+
+
+def test_capture_graph_gradient_penalty_double_backward() -> None:
+    """autograd.grad(create_graph=True) inside loss_fn (a gradient penalty) is part of the forward."""
+    case = testing.REFERENCE_CASES["mlp"]
+
+    def loss_fn(m: torch.nn.Module, b: dict) -> torch.Tensor:
+        x = b["x"].clone().requires_grad_(True)
+        out = m(x).reshape(-1)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return torch.nn.functional.mse_loss(out, b["y"]) + 0.1 * gx.pow(2).mean()
+
+    model = case.build(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    step = capture_train_step(model, opt, loss_fn, case.make_batch(0))
+    state = step.init_state(model, opt)
+    for i in range(5):
+        state, _ = step(state, case.make_batch(i))
+        testing.eager_step(ref, ref_opt, loss_fn, case.make_batch(i))
+    bad = testing.state_mismatches(
+        step.state_dict(state), testing.eager_state_dict(ref, ref_opt), rtol=1e-4, atol=1e-5
+    )
+    assert not bad, bad
