@@ -224,3 +224,14 @@ def test_capture_errors_backward_inside_loss_fn() -> None:
 
     with pytest.raises(CaptureError, match=r"(?s)runs a backward pass.*Fix: make loss_fn only compute"):
         capture_train_step(model, _sgd(model), loss_fn, _batch())
+
+
+def test_capture_errors_loss_independent_of_parameters_warns() -> None:
+    model = testing.MLP()
+
+    def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["y"].pow(2).mean()
+
+    with pytest.warns(UserWarning, match="no gradient"):
+        step = capture_train_step(model, _sgd(model), loss_fn, _batch())
+    assert step.phase_counts()["optimizer"] == 0

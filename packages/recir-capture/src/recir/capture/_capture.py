@@ -120,7 +120,8 @@ def capture_train_step(
             rec.marks["backward"] = len(graph.nodes)
             wrt = [p_in[n] for n, _, _ in trainable]
             with torch.enable_grad():
-                grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+                no_path = not loss.requires_grad  # a loss independent of every parameter
+                grads = [None] * len(wrt) if no_path else torch.autograd.grad(loss, wrt, allow_unused=True)
             grads = _distinct_grad_nodes(rec, trainable, grads)
 
             # optimizer
