@@ -61,7 +61,8 @@ def capture_train_step(
 
     ``loss_fn`` returns the loss (a scalar) or ``(loss, aux...)``. ``optimizer`` may be a list (e.g. dense
     Adam + RowWiseAdagrad for tables); param groups are then numbered across the optimizers in order.
-    The live model and optimizer are only read; no real step runs. Raises :class:`CaptureError` for what one functional graph cannot express.
+    The live model and optimizer are only read; no real step runs. Raises :class:`CaptureError` for
+    what one functional graph cannot express.
     """
     if mode not in ("static", "dynamic"):
         raise CaptureError(f"mode must be 'static' or 'dynamic', got {mode!r}")
