@@ -1,12 +1,18 @@
 """recir::check_jagged on the TPU path: the id/length check runs on the host (io_callback) every step
-and a bad batch raises recir's DataError naming the table, feature and id."""
+and a bad batch raises recir's DataError naming the table, feature and id.
+
+``compile`` runs recir-embedding's ``prepare_for_lowering``, which (today) drops check nodes for the TPU
+target and leaves checking to the host-side ``validate_batch``; a graph that keeps them (built with
+``TPUCompiledStep`` directly) gets the lowering tested here.
+"""
 
 from __future__ import annotations
 
 import pytest
 import recir.embedding  # noqa: F401 - defines recir::check_jagged
 import torch
-from recir.lower_tpu import compile
+from recir.lower_tpu import TPUCompiledStep, TPUOptions, compile
+from recir.lower_tpu._placement import Placement
 from recir.transforms import DataError
 from torch import nn
 
@@ -31,7 +37,8 @@ def test_check_jagged_passes_good_batches_and_rejects_bad_ids(sgd_step):
     torch.manual_seed(0)
     model = CheckedLookup()
     good = {"values": torch.tensor([1, 2, 9, 0]), "lengths": torch.tensor([2, 1])}
-    compiled = compile(sgd_step(model, _loss, good))
+    step = sgd_step(model, _loss, good)
+    compiled = TPUCompiledStep(step, Placement(), TPUOptions(), None)
     state = compiled.init_state(model)
     state, (loss,) = compiled(state, good)
     expected = (model.table.detach().index_select(0, good["values"]).sum() - 1.0) ** 2
@@ -40,3 +47,12 @@ def test_check_jagged_passes_good_batches_and_rejects_bad_ids(sgd_step):
     bad = {"values": torch.tensor([1, 12, 9, 0]), "lengths": torch.tensor([2, 1])}
     with pytest.raises(DataError, match=r"table 't' \(feature 'f'\): id 12 .* outside \[0, 10\)"):
         compiled(state, bad)
+
+
+def test_compile_leaves_batch_checks_to_the_host_on_tpu(sgd_step):
+    model = CheckedLookup()
+    good = {"values": torch.tensor([1, 2, 9, 0]), "lengths": torch.tensor([2, 1])}
+    compiled = compile(sgd_step(model, _loss, good))
+    targets = {n.target for n in compiled.step.graph.nodes}
+    assert torch.ops.recir.check_jagged.default not in targets
+    assert compiled.step.meta["recir.embedding"]["checks_removed"] == 1

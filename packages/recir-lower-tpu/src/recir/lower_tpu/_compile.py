@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import torch
+from recir.embedding import prepare_for_lowering
 from recir.transforms import ConfigError, DataError, StepGraph, verify, verify_level
 from torch import nn
 
@@ -37,9 +38,12 @@ class TPUOptions:
     emulate 64-bit types and ids, offsets and counters fit int32. State and outputs keep their torch
     dtypes at the boundary either way. ``persistent_cache``: use JAX's on-disk compilation cache in ``cache_dir``
     (default ``$RECIR_CACHE_DIR/jax``). ``donate_state``: let XLA reuse the state buffers in place.
+    ``sparse_updates``: recir-embedding's row-wise table updates (cost grows with the ids in a batch;
+    lazy for Adam and touched-rows-only weight decay, so not bit-for-bit torch.optim for tables).
     """
 
     x64: bool | None = None
+    sparse_updates: bool = True
     persistent_cache: bool = True
     cache_dir: str | None = None
     donate_state: bool = True
@@ -201,16 +205,19 @@ def compile(
 ) -> TPUCompiledStep:
     """Lower ``step`` to JAX: torchax traces its ATen graph, ``jax.jit`` compiles it with state donated.
 
-    Runs on a TPU when JAX has one, else on JAX's CPU backend. ``plan`` and ``mesh`` are accepted now;
-    with ``mesh=None`` everything lives on the default device. Compiles at the first call.
+    Runs on a TPU when JAX has one, else on JAX's CPU backend. ``plan`` (a recir.distributed
+    ShardingPlan) shards state and batch over its mesh; ``mesh`` alone replicates over it; with neither,
+    everything lives on the default device. ``embedding_backend``: recir-embedding's backend for the
+    TPU target (``None``/``"in_graph"``; see ``recir.embedding.prepare_for_lowering``). Compiles at the
+    first call.
     """
-    if embedding_backend not in (None, "in_graph"):
-        raise ConfigError(
-            f"recir.lower_tpu: embedding_backend {embedding_backend!r} is not available on this path yet; "
-            "Fix: use None or 'in_graph' (recir::* ops lower to JAX in the graph)."
-        )
     if verify_level() >= 1:
         verify(step, transform="recir.lower_tpu.compile")
+    # recir-embedding's preparation (a copy; `step` is never mutated): sparse row-wise updates for
+    # tables, the embedding backend's kernels, and host-side (not in-graph) batch checks on TPU.
+    step = prepare_for_lowering(
+        step, backend=embedding_backend, target="tpu", sparse_updates=options.sparse_updates
+    )
     if options.persistent_cache:
         enable_compile_cache(options.cache_dir)
     placement = placement_for(mesh, plan)
