@@ -124,3 +124,12 @@ def test_captured_step_checks_every_batch_at_run_time(helpers):
     with checks(False):
         fast = build_step(model, helpers.loss_fn, batch, "sgd")
     assert not [n for n in fast.graph.nodes if "check_jagged" in str(n.target)]
+
+
+def test_jagged_tensor_mapping():
+    k = kjt([1, 2, 3, 4, 4, 0], [2, 0, 1, 2, 0, 1])
+    jts = JaggedBatch.from_kjt(k, [4, 4, 2]).to_jagged_tensors()
+    assert sorted(jts) == ["f1", "f2", "f3"]
+    assert jts["f2"].values().tolist() == [3, 4, 4] and jts["f2"].lengths().tolist() == [1, 2]
+    back = JaggedBatch.from_jagged_tensors(jts, {"f1": 2, "f2": 4, "f3": 1})
+    assert back.capacities == (2, 4, 1) and back.to_kjt().values().tolist() == k.values().tolist()

@@ -175,6 +175,19 @@ class JaggedBatch:
             stride=self.batch_size,
         )
 
+    @classmethod
+    def from_jagged_tensors(
+        cls, features: Mapping[str, Any], capacities: Sequence[int] | Mapping[str, int] | None = None
+    ) -> JaggedBatch:
+        """From ``{feature: torchrec JaggedTensor}`` (all with the same batch size)."""
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        return cls.from_kjt(KeyedJaggedTensor.from_jt_dict(dict(features)), capacities)
+
+    def to_jagged_tensors(self) -> dict[str, Any]:
+        """``{feature: torchrec JaggedTensor}`` of the real ids (padding stripped)."""
+        return self.to_kjt().to_dict()
+
     def __repr__(self) -> str:
         return (
             f"JaggedBatch(keys={list(self.keys_)}, batch_size={self.batch_size}, "
