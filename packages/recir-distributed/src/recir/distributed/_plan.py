@@ -18,20 +18,12 @@ from recir.transforms import ConfigError, StateSlot
 
 from ._mesh import Mesh
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.bool,
-        torch.int8,
-        torch.uint8,
-    )
-}
+
+def _itemsize(dtype_name: str) -> int:
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype_name!r} in a sharding plan")
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def local_shape(shape: Sequence[int], sharding: Mapping[str, Any], rank: int) -> tuple[int, ...]:
@@ -98,8 +90,7 @@ class ShardingPlan:
         return local_shape(self.shapes[slot], self.sharding(slot), rank)
 
     def slot_bytes(self, slot: str, rank: int) -> int:
-        item = torch.empty((), dtype=_DTYPES[self.dtypes[slot]]).element_size()
-        return math.prod(self.local_shape(slot, rank)) * item
+        return math.prod(self.local_shape(slot, rank)) * _itemsize(self.dtypes[slot])
 
     def bytes_per_device(self, kinds: Sequence[str] | None = None) -> list[int]:
         """Bytes of state each device holds (optionally only slots whose name starts with ``kinds``)."""
