@@ -7,6 +7,7 @@ a trailing "trash" bag per feature (pooled) or are masked to zero rows (sequence
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from recir.transforms import CaptureError
@@ -19,7 +20,7 @@ from ._table import EmbeddingTable
 Segment = tuple[Tensor, Tensor]  # (ids [capacity], lengths [batch])
 
 
-def as_jagged(features: object, where: str) -> JaggedBatch:
+def as_jagged(features: Any, where: str) -> JaggedBatch:
     """A JaggedBatch from the module input: a JaggedBatch, or a KJT (eager, or with cached per-key sizes)."""
     if isinstance(features, JaggedBatch):
         return features

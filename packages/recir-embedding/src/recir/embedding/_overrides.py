@@ -10,6 +10,7 @@ import torch
 from recir.transforms import CaptureError, Override
 from torch import Tensor, nn
 
+from ._jagged import JaggedBatch
 from ._lookup import as_jagged, checked, pooled_lookup, segments, sequence_lookup
 from ._ops import EMBEDDING_OVERRIDE
 from ._table import EmbeddingTable, tables_from_torchrec
@@ -50,7 +51,7 @@ class EmbeddingBagCollectionStandIn(nn.Module):
         return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(outs, dim=1))
 
     @staticmethod
-    def _spans(jb: object, features: tuple[str, ...]) -> list[tuple[int, int]]:
+    def _spans(jb: JaggedBatch, features: tuple[str, ...]) -> list[tuple[int, int]]:
         starts = jb.starts()
         return [(starts[jb.index(f)], jb.capacities[jb.index(f)]) for f in features]
 

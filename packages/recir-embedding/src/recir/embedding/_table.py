@@ -89,7 +89,7 @@ def tables_from_torchrec(module: nn.Module) -> list[EmbeddingTable]:
         )
     tables = []
     for c in configs:
-        pooling = c.pooling.value.lower() if pooled else "none"
+        pooling: Pooling = c.pooling.value.lower() if pooled else "none"
         tables.append(
             EmbeddingTable(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), pooling=pooling)
         )
