@@ -12,12 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from recir.lower_tpu import compile, default_cache_dir
 from torch import nn
 
-pytestmark = pytest.mark.tpu
+# Not marked `tpu`: device count plays no part, and its two subprocesses are the slowest test here;
+# the cpu session runs it.
 
 TESTS = Path(__file__).parent
 

@@ -17,7 +17,8 @@ lower_gpu = pytest.importorskip("recir.lower_gpu", reason="recir-lower-gpu is no
 if not hasattr(lower_gpu, "compile"):  # pragma: no cover - before recir-lower-gpu's compile landed
     pytest.skip("recir.lower_gpu.compile is not available yet", allow_module_level=True)
 
-pytestmark = pytest.mark.tpu
+# Not marked `tpu`: it is about the two lowerings agreeing, not about JAX devices (and Inductor
+# compiles are slow); the cpu session runs it.
 
 RTOL, ATOL = 1e-4, 1e-5
 STEPS = 10
