@@ -90,7 +90,15 @@ def test_shard_tables_needs_recir_lookups():
         ["loss"],
     )
     plan = rd.plan(step, rd.row_wise(), MESH2)
-    assert plan.tables == ["param:t.weight"]
+    assert plan.tables == [] and plan.slots["param:t.weight"]["placement"] == "replicate"  # a dense param
+    plan.tables.append("param:t.weight")  # a hand-edited plan that shards it anyway
+    plan.slots["param:t.weight"] = {
+        "placement": "shard",
+        "axis": "data",
+        "dim": 0,
+        "num_shards": 2,
+        "scheme": "row_wise",
+    }
     with pytest.raises(
         rd.ConfigError,
         match=r"table 'param:t.weight' is sharded but no recir::embedding_bag or recir::embedding",

@@ -20,11 +20,6 @@ def lookup_ops() -> tuple[object, ...]:
     return tuple(ops)
 
 
-def _dense_lookup_ops() -> tuple[object, ...]:
-    a = torch.ops.aten
-    return (a.embedding.default, a._embedding_bag.default, a.embedding_bag.default)
-
-
 _IDENTITY = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
@@ -58,14 +53,18 @@ def batch_placeholders(step: StepGraph) -> dict[str, fx.Node]:
 
 
 def table_slots(step: StepGraph) -> list[str]:
-    """Param slots that some lookup op reads as its weight (embedding tables), in signature order."""
+    """Param slots that a ``recir::*`` lookup reads as its weight (shardable tables), in signature order.
+
+    Weights of plain ATen lookups (a small ``nn.Embedding`` captured without an override) are dense
+    parameters: they are replicated or FSDP-sharded like any other.
+    """
     phs = state_placeholders(step)
     by_node = {node: name for name, node in phs.items()}
     found: set[str] = set()
-    ops = (*lookup_ops(), *_dense_lookup_ops())
+    ops = lookup_ops()
     for node in step.graph.nodes:
         if node.op == "call_function" and node.target in ops:
-            weight = source_of(node.args[0])  # every lookup (recir and aten) takes the weight first
+            weight = source_of(node.args[0])
             if isinstance(weight, fx.Node) and weight in by_node:
                 found.add(by_node[weight])
     return [s.name for s in step.signature.state if s.name in found and s.kind == "param"]
