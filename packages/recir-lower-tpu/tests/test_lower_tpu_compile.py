@@ -69,6 +69,10 @@ def test_state_is_donated_step_after_step(sgd_step):
         state, _ = compiled(state, batch)
         assert all(x.is_deleted() for x in old), "the state buffers passed in must be donated"
         assert not any(x.is_deleted() for x in state)
+    with pytest.raises(ConfigError, match="was donated to an earlier step"):
+        compiled(old, batches[0])
+    with pytest.raises(ConfigError, match="was donated to an earlier step"):
+        compiled.state_dict(old)
 
 
 def test_without_donation_inputs_survive(sgd_step):

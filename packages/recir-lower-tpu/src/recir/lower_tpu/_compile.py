@@ -168,6 +168,12 @@ class TPUCompiledStep:
                 f"expected {n} state arrays (signature order), got {len(state)}. "
                 "Fix: build state with compiled.init_state(model, optimizer) and pass the returned state on."
             )
+        for slot, x in zip(self.step.signature.state, state):
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise ConfigError(
+                    f"state slot {slot.name!r} was donated to an earlier step and no longer exists. "
+                    "Fix: continue with the state that step returned (state, outputs = compiled(state, batch))."
+                )
 
 
 _INT32 = (-(2**31), 2**31 - 1)
