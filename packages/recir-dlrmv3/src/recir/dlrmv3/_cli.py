@@ -9,7 +9,7 @@ import sys
 
 from recir.transforms import RecIRError
 
-from ._config import DATASETS, EMBEDDING_BACKENDS, TABLE_OPTIMIZERS, TARGETS
+from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, TARGETS
 
 DEFAULT_TARGET = "eager"
 
@@ -34,10 +34,11 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     o.add_argument("--lr", type=float, default=1e-3, help="dense Adam learning rate (default %(default)s)")
     o.add_argument("--sparse_lr", type=float, default=1e-3, help="table learning rate (default %(default)s)")
     o.add_argument(
-        "--table_optimizer",
-        choices=TABLE_OPTIMIZERS,
-        default=d["table_optimizer"],
-        help="optimizer of the embedding tables (default %(default)s)",
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=d["optimizer"],
+        help="reference: dense Adam + row-wise Adagrad tables; adam / adagrad: one optimizer for all; "
+        "auto: reference on eager, adam on gpu/tpu (default %(default)s)",
     )
     c = p.add_argument_group("compilation")
     c.add_argument(
@@ -87,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the same model and batches eagerly and through --target; print per-step "
         "loss / parameter / optimizer-state differences; exit 1 past --atol.",
     )
-    parity_defaults = dict(defaults, target="gpu", input_dropout=0.0, layer_dropout=0.0)
+    parity_defaults = dict(defaults, target="gpu", input_dropout=0.0, layer_dropout=0.0, optimizer="adagrad")
     _add_model_and_data(pp, parity_defaults)
     pp.add_argument("--steps", type=int, default=3, help="steps to compare (default %(default)s)")
     pp.add_argument("--atol", type=float, default=1e-4, help="tolerance (default %(default)s)")

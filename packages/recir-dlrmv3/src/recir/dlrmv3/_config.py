@@ -118,7 +118,7 @@ def _kuairand_spec() -> DatasetSpec:
 
 TARGETS = ("eager", "gpu", "tpu")
 EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
-TABLE_OPTIMIZERS = ("auto", "rowwise_adagrad", "adam")
+OPTIMIZERS = ("auto", "reference", "adam", "adagrad")
 DATASETS: tuple[str, ...] = ("debug", "debug-random", "movielens-1m", "movielens-20m", "kuairand-1k")
 KUAIRAND_RANGE_FEATURES = _KUAI_RANGES
 

@@ -10,7 +10,7 @@ import torch
 from recir.transforms import ConfigError
 from torch import nn
 
-from ._config import TABLE_OPTIMIZERS
+from ._config import OPTIMIZERS
 
 TABLE_PREFIX = "ec."
 
@@ -34,28 +34,29 @@ def rowwise_adagrad_class() -> type[torch.optim.Optimizer]:
 
 
 def make_optimizers(
-    model: nn.Module,
-    lr: float,
-    sparse_lr: float,
-    table_optimizer: str = "rowwise_adagrad",
-    target: str = "eager",
+    model: nn.Module, lr: float, sparse_lr: float, optimizer: str = "reference", target: str = "eager"
 ) -> list[torch.optim.Optimizer]:
-    """[dense Adam, table row-wise Adagrad], or with `table_optimizer="adam"` one Adam whose second
-    param group holds the tables (what a single captured optimizer can express today). "auto" is
-    row-wise Adagrad on the eager target and Adam on the compiled ones."""
-    if table_optimizer == "auto":
-        table_optimizer = "rowwise_adagrad" if target == "eager" else "adam"
+    """The optimizers of `--optimizer`:
+
+    - `reference`: dense Adam + row-wise Adagrad on the tables (two optimizers, as in the reference);
+    - `adam`: one Adam, tables in a second param group (compiled paths update only the rows a batch
+      touches, i.e. lazy Adam on the tables, so eager and compiled differ on untouched rows);
+    - `adagrad`: one Adagrad, tables in a second param group (row-sparse updates are exact);
+    - `auto`: `reference` on the eager target, `adam` on the compiled ones (capture takes one optimizer).
+    """
+    if optimizer == "auto":
+        optimizer = "reference" if target == "eager" else "adam"
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown --optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     dense, tables = split_params(model)
     adam = {"betas": (0.95, 0.999), "eps": 1e-8}
-    if table_optimizer == "adam":
+    if optimizer in ("adam", "adagrad"):
         groups = [{"params": [p for _, p in dense], "lr": lr}]
         if tables:
             groups.append({"params": [p for _, p in tables], "lr": sparse_lr})
-        return [torch.optim.Adam(groups, lr=lr, **adam)]
-    if table_optimizer != "rowwise_adagrad":
-        raise ConfigError(
-            f"unknown --table_optimizer {table_optimizer!r}; expected one of {', '.join(TABLE_OPTIMIZERS)}"
-        )
+        if optimizer == "adam":
+            return [torch.optim.Adam(groups, lr=lr, **adam)]
+        return [torch.optim.Adagrad(groups, lr=lr, eps=1e-8)]
     opts: list[torch.optim.Optimizer] = [torch.optim.Adam([p for _, p in dense], lr=lr, **adam)]
     if tables:
         opts.append(rowwise_adagrad_class()([p for _, p in tables], lr=sparse_lr, eps=1e-8))

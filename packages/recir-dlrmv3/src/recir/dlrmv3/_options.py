@@ -39,7 +39,7 @@ class TrainOptions:
     resume: str | None = None
     lr: float = 1e-3
     sparse_lr: float = 1e-3
-    table_optimizer: str = "auto"
+    optimizer: str = "auto"
     num_threads: int = 0
 
     def model_config(self) -> ModelConfig:

@@ -43,7 +43,7 @@ def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]
     data = make_data(opts.dataset, config, batch_size=opts.batch_size, seed=opts.seed, data_dir=opts.data_dir)
     torch.manual_seed(opts.seed)
     model = DLRMv3(data.spec, config)
-    return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.table_optimizer, opts.target)
+    return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.optimizer, opts.target)
 
 
 def evaluate(trainer: Trainer, data: Data, num_batches: int) -> dict[str, float]:

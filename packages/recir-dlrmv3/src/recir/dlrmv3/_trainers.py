@@ -106,7 +106,7 @@ def _single_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Op
         raise ConfigError(
             f"the compiled targets capture one optimizer, got {len(optimizers)} "
             f"({', '.join(type(o).__name__ for o in optimizers)}). "
-            "Fix: pass --table_optimizer adam (one Adam over dense parameters and tables)."
+            "Fix: pass --optimizer adam or --optimizer adagrad (one optimizer over dense parameters and tables)."
         )
     return optimizers[0]
 
