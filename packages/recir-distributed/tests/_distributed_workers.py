@@ -93,6 +93,11 @@ def train_and_compare(rank: int, world: int, kind: str, modes: list[Any], steps:
         for slot, t in zip(dstep.signature.state, state):
             assert tuple(t.shape) == tuple(slot.shape), (mode, slot.name, t.shape)
         gathered = rd.gather_state(plan, dstep, state)
+        # resharding into the FSDP layout gives exactly the FSDP shards of the gathered state
+        fsdp = rd.plan(local_step, "fsdp", mesh)
+        moved = rd.reshard(plan, dstep, state, fsdp, local_step, rank)
+        for slot, t in zip(local_step.signature.state, moved):
+            assert torch.equal(t, rd.shard_tensor(fsdp, slot.name, gathered[slot.name], rank)), slot.name
         for name, want in ref_sd.items():
             got = gathered[name]
             assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (

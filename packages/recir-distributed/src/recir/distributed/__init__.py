@@ -8,6 +8,7 @@ from ._distribute import communication_bytes as communication_bytes
 from ._distribute import distribute as distribute
 from ._distribute import distribute_pipeline as distribute_pipeline
 from ._distribute import gather_state as gather_state
+from ._distribute import reshard as reshard
 from ._distribute import shard_state as shard_state
 from ._distribute import shard_tensor as shard_tensor
 from ._distribute import split_batch as split_batch
@@ -53,6 +54,7 @@ __all__ = [
     "shard_state",
     "shard_tensor",
     "gather_state",
+    "reshard",
     "split_batch",
     "communication_bytes",
     # transforms

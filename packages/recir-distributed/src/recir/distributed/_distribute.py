@@ -108,6 +108,28 @@ def gather_state(
     return out
 
 
+def reshard(
+    from_plan: ShardingPlan,
+    from_step: StepGraph,
+    local_state: Sequence[torch.Tensor],
+    to_plan: ShardingPlan,
+    to_step: StepGraph,
+    rank: int | None = None,
+) -> list[torch.Tensor]:
+    """This rank's state under ``to_plan`` from its state under ``from_plan`` (collective: call on all ranks).
+
+    Both plans must be for the same world; resharding a checkpoint to another world size goes through
+    :func:`gather_state` on the old world and :func:`shard_state` on the new one.
+    """
+    if from_plan.world_size != to_plan.world_size:
+        raise ConfigError(
+            f"reshard: the plans are for {from_plan.world_size} and {to_plan.world_size} devices. Fix: gather the "
+            "state (gather_state) and save it, then shard_state it in the new world."
+        )
+    full = gather_state(from_plan, from_step, local_state)
+    return shard_state(to_plan, to_step, full, _current_rank() if rank is None else rank)
+
+
 def split_batch(plan: ShardingPlan, batch: Any, rank: int) -> Any:
     """Device ``rank``'s slice (dim 0) of a global batch of dense tensors; jagged ids need their own split."""
     import torch.utils._pytree as pytree
