@@ -99,3 +99,14 @@ def test_backends_refuse_where_they_cannot_run(helpers, monkeypatch):
     monkeypatch.setitem(sys.modules, "fbgemm_gpu", None)
     with pytest.raises(ImportError, match="fbgemm.*recir-embedding\\[cpu\\]"):
         prepare_for_lowering(step, backend="fbgemm", target="gpu")
+
+
+def test_keep_checks_overrides_the_default(helpers):
+    _, _, step, _ = _captured(helpers, "sgd")
+
+    def n_checks(s):
+        return sum("check_jagged" in str(n.target) for n in s.graph.nodes)
+
+    assert n_checks(prepare_for_lowering(step, backend="in_graph", target="gpu", keep_checks=False)) == 0
+    kept = prepare_for_lowering(step, target="tpu", keep_checks=True)
+    assert n_checks(kept) == 2 and kept.meta["recir.embedding"]["checks_removed"] == 0

@@ -118,9 +118,11 @@ def _bag_reference(extra: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
     return lambda w, i, o, p: embedding_bag_reference(w, i, o, p, mode)
 
 
-def _apply_backend(step: StepGraph, backend: str, target: str) -> dict[str, int]:
+def _apply_backend(step: StepGraph, backend: str, target: str, keep_checks: bool | None) -> dict[str, int]:
     counts = {"lookups": 0, "checks_removed": 0}
-    drop_checks = target == "tpu" or not checks_enabled()
+    if keep_checks is None:
+        keep_checks = target == "gpu" and checks_enabled()
+    drop_checks = not keep_checks
     for node in list(step.graph.nodes):
         if node.op != "call_function":
             continue
@@ -156,11 +158,15 @@ def prepare_for_lowering(
     target: str = "gpu",
     device: Any = None,
     sparse_updates: bool = True,
+    keep_checks: bool | None = None,
 ) -> StepGraph:
     """The StepGraph a lowering compiles: sparse row-wise updates, then the chosen embedding backend.
 
     ``backend``: ``fbgemm`` | ``torchrec`` | ``in_graph`` | ``ring_shift`` | None (``fbgemm`` on CUDA,
     ``in_graph`` elsewhere); ``target``: ``gpu`` | ``tpu``; ``device``: the torch device (GPU path).
+    ``keep_checks``: keep the ``recir::check_jagged`` nodes (run-time id/length checks raising DataError);
+    None keeps them on the gpu target while checks are enabled and drops them on tpu (validate batches
+    on the host there). Drop them (False) for CUDA graphs: the check reads the ids on the host.
     Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
     ``step.meta["recir.embedding"]`` records the backend and what changed.
     """
@@ -176,7 +182,7 @@ def prepare_for_lowering(
         pipeline = Pipeline([SparsifyUpdate()], name="recir.embedding.prepare_for_lowering")
         out = pipeline.run(out)
         report["sparsify"] = dict(pipeline.records[-1].stats)
-    report.update(_apply_backend(out, name, target))
+    report.update(_apply_backend(out, name, target, keep_checks))
     out.graph.eliminate_dead_code()
     out.graph.lint()
     out.graph_module.recompile()
