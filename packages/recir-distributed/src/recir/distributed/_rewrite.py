@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from recir.transforms import PHASE_KEY, SHARDING_KEY, ConfigError, Signature, StateSlot, StepGraph
+from recir.transforms import PHASE_KEY, SHARDING_KEY, BatchSlot, ConfigError, Signature, StateSlot, StepGraph
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -79,7 +79,7 @@ def repropagate(step: StepGraph, transform: str) -> StepGraph:
     step.graph_module.recompile()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     phs = [n for n in step.graph.nodes if n.op == "placeholder"]
-    slots = [*step.signature.state, *step.signature.batch]
+    slots: list[StateSlot | BatchSlot] = [*step.signature.state, *step.signature.batch]
     inputs = []
     with mode:
         for ph, slot in zip(phs, slots):
