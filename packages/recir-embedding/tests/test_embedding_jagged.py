@@ -18,6 +18,7 @@ from recir.embedding import (
     overrides,
     pad_to_bucket,
     validate_batch,
+    validate_step_batch,
 )
 from recir.embedding._testing import build_step
 from recir.transforms import apply_overrides
@@ -120,6 +121,12 @@ def test_captured_step_checks_every_batch_at_run_time(helpers):
     other = JaggedBatch(["f1", "f2", "q", "f3"], jb.values(), jb.lengths(), jb.batch_size, jb.capacities)
     with pytest.raises(DataError, match="differs from the captured one"):
         step(state, {**batch, "features": other})
+    with pytest.raises(DataError, match=r"feature 'q' at key position 2, captured 'f3'"):
+        validate_step_batch(step, {**batch, "features": other})
+    validate_step_batch(step, batch)
+    wider = JaggedBatch.from_kjt(jb.to_kjt(), [32] * 4)
+    with pytest.raises(DataError, match=r"feature 'f1': capacity 32 differs from the captured 16"):
+        validate_step_batch(step, {**batch, "features": wider})
     # captured with checks off: no check node, no error at run time (the lookup then fails or not)
     with checks(False):
         fast = build_step(model, helpers.loss_fn, batch, "sgd")

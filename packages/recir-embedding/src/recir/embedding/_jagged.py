@@ -243,3 +243,38 @@ pytree.register_pytree_node(
     flatten_with_keys_fn=_flatten_with_keys,
     serialized_type_name="recir.embedding.JaggedBatch",
 )
+
+
+def _spec_layouts(spec: Any) -> list[tuple[Any, ...]]:
+    """The (keys, batch_size, capacities, weighted) of every JaggedBatch in a batch TreeSpec, in order."""
+    if spec is None:
+        return []
+    if spec.type is JaggedBatch:
+        return [spec.context]
+    return [ctx for child in spec.children_specs for ctx in _spec_layouts(child)]
+
+
+def validate_step_batch(step: Any, batch: Any, tables: Iterable[EmbeddingTable] | None = None) -> None:
+    """Check a batch's JaggedBatches against those ``step`` (a StepGraph) was captured with.
+
+    Raises ``DataError`` naming the first differing feature (keys, batch size or capacity), then runs
+    :func:`validate_batch` on each (ids against ``tables`` when given).
+    """
+    expected = _spec_layouts(step.signature.batch_spec)
+    leaves = pytree.tree_leaves(batch, is_leaf=lambda x: isinstance(x, JaggedBatch))
+    found = [x for x in leaves if isinstance(x, JaggedBatch)]
+    if len(found) != len(expected):
+        raise DataError(
+            f"the batch holds {len(found)} JaggedBatch(es), the step was captured with {len(expected)}. "
+            "Fix: pass batches with the structure of the example batch."
+        )
+    for jb, (keys, b, caps, _) in zip(found, expected):
+        validate_batch(jb, tables, expected_keys=keys)
+        if jb.batch_size != b:
+            raise DataError(f"batch size {jb.batch_size} differs from the captured {b}")
+        for k, cap, want in zip(keys, jb.capacities, caps):
+            if cap != want:
+                raise DataError(
+                    f"feature {k!r}: capacity {cap} differs from the captured {want}. "
+                    "Fix: pad with the capture's buckets (pad_to_bucket(..., buckets)) or capture this bucket too."
+                )
