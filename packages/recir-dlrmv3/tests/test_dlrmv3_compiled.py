@@ -1,6 +1,7 @@
 """The compiled targets: `train --target tpu|gpu` compiles once and trains; `parity` matches eager
 parameters and optimizer state step by step, and fails past its tolerance."""
 
+import dataclasses
 import math
 import os
 
@@ -22,18 +23,22 @@ def _one_thread():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.tpu
-def test_dlrmv3_tpu_target_compiles_once_and_trains():
+def test_dlrmv3_tpu_target_compiles_once_trains_and_resumes(tmp_path):
     lines: list[str] = []
     # Dropout off: recir.lower_tpu cannot lower capture's counter-based RNG ops yet (see README).
-    opts = TrainOptions(
-        **TINY, target="tpu", num_train_batches=4, log_every=1, input_dropout=0.0, layer_dropout=0.0
-    )
+    opts = TrainOptions(**TINY, target="tpu", num_train_batches=4, log_every=1, input_dropout=0.0,
+                        layer_dropout=0.0, checkpoint_dir=str(tmp_path), checkpoint_every=2)  # fmt: skip
     result = train(opts, log=lines.append)
-    assert [x for x in lines if "compiled in" in x][0].startswith("train step compiled in ")
     assert sum("compiled in" in x for x in lines) == 1
+    assert [x for x in lines if "compiled in" in x][0].startswith("train step compiled in ")
     assert "recir.lower_tpu" in lines[0]
     assert result.compile_seconds > 0 and len(result.losses) == 4
     assert all(math.isfinite(v) for v in result.losses + list(result.metrics.values()))
+    # the StepGraph state (slot names) round-trips through the DCP checkpoint of step 2
+    resumed = train(
+        dataclasses.replace(opts, resume=str(tmp_path / "step-2"), checkpoint_every=0), log=lambda _: None
+    )
+    assert resumed.start_step == 2 and resumed.losses == result.losses[2:]
 
 
 @pytest.mark.tpu

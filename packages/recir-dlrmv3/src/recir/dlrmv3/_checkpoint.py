@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from recir.transforms import DataError
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 KEEP = 2
 _META = "recir.json"
@@ -35,7 +35,9 @@ def save_checkpoint(
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that no process group is initialised: intended
-        dcp.save(tensors, checkpoint_id=str(tmp))
+        # per_thread_copy_ahead=0: DCP's overlapping loader would ask the privateuse1 device module for
+        # streams, and torchax (imported by the TPU path) registers one without them.
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), per_thread_copy_ahead=0))
     (tmp / _META).write_text(json.dumps({"step": step, **meta}))
     if final.exists():
         shutil.rmtree(final)
