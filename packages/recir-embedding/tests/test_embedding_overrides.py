@@ -119,3 +119,31 @@ def test_pad_to_bucket_batches_share_one_capture(helpers):
     for _ in range(3):
         jb, _ = pad_to_bucket(helpers.random_kjt(gen), [helpers.BUCKET])
         state, _ = step(state, {"features": jb, "y": torch.zeros(helpers.B)})
+
+
+def test_weighted_ebc_matches_torchrec():
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=9, feature_names=["a", "b"])],
+        is_weighted=True,
+    )
+    holder = torch.nn.Module()
+    holder.ebc = ebc
+    model, _ = apply_overrides(copy.deepcopy(holder), overrides())
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.tensor([1, 1, 8, 0, 4]),
+        lengths=torch.tensor([2, 1, 0, 2]),
+        weights=torch.tensor([0.5, 2.0, -1.0, 3.0, 0.25]),
+    )
+    jb = JaggedBatch.from_kjt(kjt, [4, 4])
+    want = ebc(kjt).values()
+    got = model.ebc(jb).values()
+    torch.testing.assert_close(got, want)
+    (gw,) = torch.autograd.grad(want.sin().sum(), ebc.embedding_bags["t"].weight)
+    (gs,) = torch.autograd.grad(got.sin().sum(), model.ebc.embedding_bags["t"].weight)
+    torch.testing.assert_close(gs, gw)
