@@ -11,7 +11,13 @@ from recir.transforms import RecIRError
 
 from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, TARGETS
 
-DEFAULT_TARGET = "eager"
+
+def default_target() -> str:
+    """`gpu` (Inductor + FBGEMM) on a CUDA machine; `eager` elsewhere, where Inductor's C++ compile of the
+    training step takes minutes on a small CPU (pass --target gpu or --target tpu to compile anyway)."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "eager"
 
 
 def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object]) -> None:
@@ -56,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     from ._options import TrainOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
-    defaults["target"] = DEFAULT_TARGET
+    defaults["target"] = default_target()
     parser = argparse.ArgumentParser(prog="recir-dlrmv3", description="DLRMv3 (HSTU ranking) on RecIR.")
     sub = parser.add_subparsers(dest="command", required=True)
 
