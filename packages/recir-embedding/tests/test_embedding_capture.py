@@ -95,3 +95,32 @@ def test_captured_torchrec_model_through_lower_tpu(helpers):
         return compiled.state_dict, compiled, compiled.init_state(model, opt)
 
     _run_parity(helpers, "adagrad", tpu, n_steps=4)
+
+
+def test_dense_adam_plus_rowwise_tables_sparsify_only_the_tables(helpers):
+    """DLRM-style: dense Adam for an MLP, RowWiseAdagrad for tables; sparse == dense maths for 5 steps."""
+    model = helpers.make_torchrec_model()
+    model.lin = torch.nn.Linear(11, 1)
+
+    def loss_fn(m, b):
+        pooled, seq = m(b["features"])
+        return (m.lin(pooled).squeeze(1) - b["y"]).pow(2).mean() + seq.sin().sum() * 0.1
+
+    dense = [p for n, p in model.named_parameters() if n.startswith("lin")]
+    tables = [p for n, p in model.named_parameters() if not n.startswith("lin")]
+    opts = [torch.optim.Adam(dense, lr=0.01), capture.RowWiseAdagrad(tables, lr=0.1)]
+    batch, _ = helpers.random_batch(torch.Generator().manual_seed(0))
+    step = capture.capture_train_step(model, opts, loss_fn, batch, overrides=overrides())
+    ref = prepare_for_lowering(step, backend="in_graph", target="gpu", sparse_updates=False)
+    sparse = prepare_for_lowering(step, backend="in_graph", target="gpu")
+    stats = sparse.meta["recir.embedding"]["sparsify"]
+    assert sorted(stats["sparsified"]) == sorted(f"param:{n}" for n in TABLES)
+    assert set(stats["skipped"]) == {"param:lin.weight", "param:lin.bias"}
+    sa, sb = ref.init_state(model, opts), sparse.init_state(model, opts)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        b, _ = helpers.random_batch(gen)
+        sa, _ = ref(sa, b)
+        sb, _ = sparse(sb, b)
+    for name, x, y in zip(ref.signature.state_names(), sa, sb):
+        torch.testing.assert_close(y, x, msg=name)
