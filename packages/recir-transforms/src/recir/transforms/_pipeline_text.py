@@ -94,7 +94,12 @@ def _format_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (tuple, list, frozenset, set)):
         return "[" + ",".join(_format_value(v) for v in value) + "]"
-    return repr(value) if isinstance(value, str) and not value.replace("-", "").isidentifier() else str(value)
+    if isinstance(value, str):
+        return value if value.replace("-", "").isidentifier() else repr(value)
+    if value is None or isinstance(value, (int, float)):
+        return "none" if value is None else str(value)
+    # Rich option objects (a ShardingPlan, a Mesh) print as a short tag, not their whole table.
+    return f"<{type(value).__name__}>"
 
 
 def parse_pipeline(text: str, **pipeline_kwargs: Any) -> Pipeline:
