@@ -109,7 +109,7 @@ def _fit(values: np.ndarray, size: int, keep_last: bool) -> tuple[np.ndarray, in
     if values.shape[0] > size:
         values = values[-size:] if keep_last else values[:size]
     n = int(values.shape[0])
-    out = np.full(size, PADDING_ID, dtype=np.int64)
+    out: np.ndarray = np.full(size, PADDING_ID, dtype=np.int64)
     out[:n] = values
     return out, n
 
@@ -125,14 +125,14 @@ def collate(
     `num_candidates` candidates; with `rows` (feature -> table rows) ids are hashed into
     [1, rows) so that they never collide with the padding id 0."""
     B = len(samples)
-    uih = np.zeros((B, uih_len), np.int64)
-    ts = np.zeros((B, uih_len), np.int64)
-    act = np.zeros((B, uih_len), np.int64)
-    cand = np.zeros((B, num_candidates), np.int64)
-    cact = np.zeros((B, num_candidates), np.int64)
-    ctx = np.zeros((B, len(spec.contextual)), np.int64)
-    lengths = np.zeros(B, np.int64)
-    ncand = np.zeros(B, np.int64)
+    uih: np.ndarray = np.zeros((B, uih_len), np.int64)
+    ts: np.ndarray = np.zeros((B, uih_len), np.int64)
+    act: np.ndarray = np.zeros((B, uih_len), np.int64)
+    cand: np.ndarray = np.zeros((B, num_candidates), np.int64)
+    cact: np.ndarray = np.zeros((B, num_candidates), np.int64)
+    ctx: np.ndarray = np.zeros((B, len(spec.contextual)), np.int64)
+    lengths: np.ndarray = np.zeros(B, np.int64)
+    ncand: np.ndarray = np.zeros(B, np.int64)
     for i, s in enumerate(samples):
         uih[i], lengths[i] = _fit(s.uih_ids, uih_len, keep_last=True)
         ts[i], _ = _fit(s.uih_timestamps, uih_len, keep_last=True)

@@ -128,7 +128,7 @@ def load_kuairand(path: Path, spec: DatasetSpec) -> list[Sample]:
         _check_lengths(path, line, lists)
         if len(lists["video_id"]) <= MAX_CANDIDATES:
             continue
-        ts = lists["time_ms"] // 1000
+        ts: np.ndarray = lists["time_ms"] // 1000
         (u_ids, u_ts, u_act), (c_ids, _, c_act) = _split([lists["video_id"], ts, lists["action_weights"]])
         ctx = np.array([_int(row[c], path, line, c) for c in spec.contextual], dtype=np.int64)
         samples.append(Sample(u_ids, u_ts, u_act, c_ids, c_act, ctx))

@@ -17,7 +17,8 @@ TABLE_PREFIX = "ec."
 
 def split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """(dense, table) named parameters; tables are the EmbeddingCollection's weights."""
-    dense, tables = [], []
+    dense: list[tuple[str, nn.Parameter]] = []
+    tables: list[tuple[str, nn.Parameter]] = []
     for name, p in model.named_parameters():
         (tables if name.startswith(TABLE_PREFIX) else dense).append((name, p))
     return dense, tables
