@@ -11,3 +11,36 @@ def test_lower_gpu_public_api_resolves():
         owner = getattr(obj, "__module__", None)
         assert owner is None or owner.startswith("recir.") or not callable(obj), (name, owner)
     assert mod.__version__ == "0.1.0"
+
+
+def test_lower_gpu_public_surface_is_pinned():
+    import recir.lower_gpu as lg
+    from recir.transforms import LoweringError
+
+    assert set(lg.__all__) == {
+        "__version__",
+        "compile",
+        "GPUCompiledStep",
+        "GPUOptions",
+        "INDUCTOR_MODES",
+        "resolve_device",
+        "inductor_cache_dir",
+        "recir_cache_dir",
+        "LoweringError",
+    }
+    assert lg.LoweringError is LoweringError
+    assert lg.INDUCTOR_MODES == ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def test_cache_dir_resolution(monkeypatch, tmp_path):
+    import recir.lower_gpu as lg
+
+    monkeypatch.setenv("RECIR_CACHE_DIR", str(tmp_path))
+    assert lg.recir_cache_dir() == tmp_path
+    assert lg.inductor_cache_dir("/x/y") == __import__("pathlib").Path("/x/y")
+    from recir.lower_gpu import _cache
+
+    monkeypatch.setattr(_cache, "_USER_INDUCTOR_DIR", None)
+    assert lg.inductor_cache_dir() == tmp_path / "inductor"
+    monkeypatch.setattr(_cache, "_USER_INDUCTOR_DIR", str(tmp_path / "user"))
+    assert lg.inductor_cache_dir() == tmp_path / "user"

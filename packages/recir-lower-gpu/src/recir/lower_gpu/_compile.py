@@ -70,9 +70,11 @@ def _check_distributed(gm: fx.GraphModule, plan: Any) -> None:
 
 
 def _fake_inputs(step: StepGraph, device: torch.device, fake_mode: FakeTensorMode) -> list[torch.Tensor]:
-    slots = [*step.signature.state, *step.signature.batch]
+    specs = [(s.shape, s.dtype) for s in step.signature.state] + [
+        (b.shape, b.dtype) for b in step.signature.batch
+    ]
     with fake_mode:
-        return [torch.empty(slot.shape, dtype=slot.dtype, device=device) for slot in slots]
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
 
 
 def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: FakeTensorMode, patches: dict):

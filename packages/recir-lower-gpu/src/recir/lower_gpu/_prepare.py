@@ -130,8 +130,8 @@ def add_in_place_epilogue(gm: fx.GraphModule, num_state: int) -> fx.GraphModule:
 
     AOTAutograd sees input mutations and keeps them in the graph; Inductor then writes the new value
     straight into the input's storage (fusing the copy into the kernel that computes it) wherever it can.
+    Rewrites ``gm`` in place (callers pass their private copy) and returns it.
     """
-    gm = copy_graph_module(gm)
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
