@@ -111,6 +111,15 @@ def _single_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Op
     return optimizers[0]
 
 
+def _device_words(target: str) -> str:
+    if target == "gpu":
+        return "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: Inductor's C++ backend)"
+    import jax
+
+    backend = jax.default_backend()
+    return "TPU" if backend == "tpu" else f"JAX's {backend.upper()} backend (no TPU)"
+
+
 def _embedding_checks(target: str) -> contextlib.AbstractContextManager[None]:
     # recir.lower_tpu has no JAX lowering for recir::check_jagged yet; our collate() already
     # guarantees static lengths and in-range ids, so the TPU capture leaves the check node out.
@@ -150,7 +159,7 @@ class CompiledTrainer:
         self.state = self.compiled.init_state(model, self.optimizer)
         self._first = True
         self.compile_seconds = 0.0
-        self.description = f"{lowering.__name__}.compile (embedding backend {embedding_backend or 'default'})"
+        self.description = f"{lowering.__name__}.compile on {_device_words(target)}, embedding backend {embedding_backend or 'default'}"
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
