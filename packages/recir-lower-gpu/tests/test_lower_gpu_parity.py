@@ -19,21 +19,23 @@ from recir.capture import capture_train_step, testing
 
 RTOL, ATOL = 1e-4, 1e-5
 STEPS = 20
-# (model, optimizer, sparse_updates). Dense torch.optim maths needs sparse_updates=False for a table
-# whose optimizer is not row-wise exact (Adagrad with weight decay decays untouched rows too);
-# RowWiseAdagrad is exact with sparse row-wise updates, which the last case exercises.
+# (model, optimizer, sparse_updates, embedding_backend). Dense torch.optim maths needs
+# sparse_updates=False for a table whose optimizer is not row-wise exact (Adagrad with weight decay
+# decays untouched rows too); RowWiseAdagrad is exact with sparse row-wise updates. The fbgemm case
+# keeps the lookups as recir::fbgemm_embedding_bag override ops that Inductor calls as fallback
+# kernels at graph boundaries (fbgemm-gpu-cpu's kernels here); in_graph inlines plain ATen.
 CASES = [
-    ("mlp", "adam", True),
-    ("transformer", "adamw_amsgrad", True),
-    ("batchnorm", "sgd_momentum_wd", True),
-    ("embedding_bag", "adagrad", False),
-    ("embedding_bag", "rowwise_adagrad", True),
+    ("mlp", "adam", True, None),
+    ("transformer", "adamw_amsgrad", True, None),
+    ("batchnorm", "sgd_momentum_wd", True, None),
+    ("embedding_bag", "adagrad", False, "fbgemm"),
+    ("embedding_bag", "rowwise_adagrad", True, "in_graph"),
 ]
 
 
-@pytest.mark.parametrize(("case_name", "opt_name", "sparse_updates"), CASES)
+@pytest.mark.parametrize(("case_name", "opt_name", "sparse_updates", "backend"), CASES)
 def test_compiled_step_matches_eager_for_20_steps_in_place(
-    case_name, opt_name, sparse_updates, lower_gpu_cache_dir
+    case_name, opt_name, sparse_updates, backend, lower_gpu_cache_dir
 ):
     case = testing.REFERENCE_CASES[case_name]
     model = case.build(seed=0)
@@ -41,9 +43,11 @@ def test_compiled_step_matches_eager_for_20_steps_in_place(
     ref, ref_opt = testing.clone_pair(model, opt_name)
     step = capture_train_step(model, optimizer, case.loss_fn, case.make_batch(0), overrides=case.overrides())
     opts = lg.GPUOptions(sparse_updates=sparse_updates, cache_dir=lower_gpu_cache_dir)
-    compiled = lg.compile(step, device="cpu", options=opts)
+    compiled = lg.compile(step, device="cpu", embedding_backend=backend, options=opts)
     if case_name == "embedding_bag":
-        assert compiled.embedding_backend == "in_graph"  # the CPU default
+        assert compiled.embedding_backend == backend
+        opaque = [n for n in compiled.step.graph.nodes if str(n.target).startswith("recir.fbgemm_")]
+        assert bool(opaque) == (backend == "fbgemm")
         sparsified = compiled.step.meta["recir.embedding"].get("sparsify", {}).get("sparsified", [])
         assert bool(sparsified) == sparse_updates, compiled.step.meta["recir.embedding"]
     state = compiled.init_state(model, optimizer)
