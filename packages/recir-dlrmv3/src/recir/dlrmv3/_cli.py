@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = prepare_kuairand if args.dataset == "kuairand-1k" else prepare_movielens
         print(f"wrote {fn(args.raw_dir, args.data_dir)}")
         return 0
-    except RecIRError as e:
+    except (RecIRError, ImportError) as e:  # ImportError: a missing optional backend, named by its package
         print(f"error: {e}", file=sys.stderr)
         return 2
 
