@@ -26,8 +26,10 @@ def test_collectives_need_a_process_group_then_run_on_it(lower_gpu_cache_dir):
     step = sgd_step_graph(model, _all_reduce_loss, mlp_batch(0))
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="no torch.distributed process group is initialised") as info:
-        lg.compile(step, plan=object(), device="cpu")
+        lg.compile(step, device="cpu")
     assert "_c10d_functional.all_reduce" in str(info.value) and "init_process_group" in str(info.value)
+    with pytest.raises(ConfigError, match="plan must be a recir.distributed.ShardingPlan"):
+        lg.compile(step, plan=object(), device="cpu")
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:

@@ -19,6 +19,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ._cache import inductor_cache_dir, recir_cache_dir, stabilize_cache_keys, using_cache_dir
 from ._cudagraph import CudaGraphStep
+from ._distributed import distribute_for_lowering
 from ._embedding import apply_embedding_backend
 from ._isa import memoize_cpu_isa_probe
 from ._options import GPUOptions
@@ -108,6 +109,8 @@ def compile(
     options = options if options is not None else GPUOptions()
     if not isinstance(step, StepGraph):
         raise ConfigError(f"recir.lower_gpu.compile expects a StepGraph, got {type(step).__name__}")
+    # With a plan, lower this rank's program (collectives as graph nodes); a distributed step passes through.
+    step = distribute_for_lowering(step, plan)
     if step.dynamic:
         raise LoweringError(
             "recir.lower_gpu: dynamic StepGraphs are not lowered yet (the GPU path compiles static "
