@@ -3,6 +3,9 @@
 from recir.transforms import ConfigError as ConfigError
 from recir.transforms import DataError as DataError
 
+from ._checkpoint import load_resharded as load_resharded
+from ._checkpoint import save_sharded as save_sharded
+from ._checkpoint import saved_plan as saved_plan
 from ._distribute import DISTRIBUTED_META as DISTRIBUTED_META
 from ._distribute import communication_bytes as communication_bytes
 from ._distribute import distribute as distribute
@@ -57,6 +60,10 @@ __all__ = [
     "reshard",
     "split_batch",
     "communication_bytes",
+    # sharded checkpoints
+    "save_sharded",
+    "load_resharded",
+    "saved_plan",
     # transforms
     "AllReduceGradients",
     "ShardParameters",
