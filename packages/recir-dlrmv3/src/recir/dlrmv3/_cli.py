@@ -44,7 +44,7 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         choices=OPTIMIZERS,
         default=d["optimizer"],
         help="reference: dense Adam + row-wise Adagrad tables; adam / adagrad: one optimizer for all; "
-        "auto: reference on eager, adam on gpu/tpu (default %(default)s)",
+        "auto: reference on every target (default %(default)s)",
     )
     c = p.add_argument_group("compilation")
     c.add_argument(

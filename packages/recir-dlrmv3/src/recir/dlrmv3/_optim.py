@@ -43,10 +43,11 @@ def make_optimizers(
     - `adam`: one Adam, tables in a second param group (compiled paths update only the rows a batch
       touches, i.e. lazy Adam on the tables, so eager and compiled differ on untouched rows);
     - `adagrad`: one Adagrad, tables in a second param group (row-sparse updates are exact);
-    - `auto`: `reference` on the eager target, `adam` on the compiled ones (capture takes one optimizer).
+    - `auto`: `reference` on every target (capture takes the list of optimizers).
     """
+    del target  # every target trains the reference pair now
     if optimizer == "auto":
-        optimizer = "reference" if target == "eager" else "adam"
+        optimizer = "reference"
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown --optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     dense, tables = split_params(model)

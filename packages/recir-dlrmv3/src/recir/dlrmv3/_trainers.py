@@ -7,7 +7,6 @@ Every trainer exposes its state as one flat `slot name -> tensor` dict (the Step
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import time
 from collections.abc import Mapping
@@ -101,16 +100,6 @@ def engine(target: str) -> Any:
     return mod
 
 
-def _single_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
-    if len(optimizers) != 1:
-        raise ConfigError(
-            f"the compiled targets capture one optimizer, got {len(optimizers)} "
-            f"({', '.join(type(o).__name__ for o in optimizers)}). "
-            "Fix: pass --optimizer adam or --optimizer adagrad (one optimizer over dense parameters and tables)."
-        )
-    return optimizers[0]
-
-
 def _device_words(target: str) -> str:
     if target == "gpu":
         return "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: Inductor's C++ backend)"
@@ -118,16 +107,6 @@ def _device_words(target: str) -> str:
 
     backend = jax.default_backend()
     return "TPU" if backend == "tpu" else f"JAX's {backend.upper()} backend (no TPU)"
-
-
-def _embedding_checks(target: str) -> contextlib.AbstractContextManager[None]:
-    # recir.lower_tpu has no JAX lowering for recir::check_jagged yet; our collate() already
-    # guarantees static lengths and in-range ids, so the TPU capture leaves the check node out.
-    if target != "tpu":
-        return contextlib.nullcontext()
-    from recir.embedding import checks
-
-    return checks(False)
 
 
 class CompiledTrainer:
@@ -149,14 +128,16 @@ class CompiledTrainer:
             raise ConfigError(
                 f"unknown --embedding_backend {embedding_backend!r}; expected one of {', '.join(EMBEDDING_BACKENDS)}"
             )
-        self.model, self.optimizer = model, _single_optimizer(optimizers)
+        # capture takes the list (dense Adam + RowWiseAdagrad tables); recir::check_jagged stays in the
+        # graph on both paths (recir.lower_tpu runs it as a host-side check).
+        self.model, self.optimizers = model, list(optimizers)
+        opt: Any = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         model.train()
         started = time.perf_counter()
-        with _embedding_checks(target):
-            self.graph = capture_train_step(model, self.optimizer, loss_fn, example, overrides=overrides())
+        self.graph = capture_train_step(model, opt, loss_fn, example, overrides=overrides())
         self.capture_seconds = time.perf_counter() - started
         self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend)
-        self.state = self.compiled.init_state(model, self.optimizer)
+        self.state = self.compiled.init_state(model, opt)
         self._first = True
         self.compile_seconds = 0.0
         self.description = f"{lowering.__name__}.compile on {_device_words(target)}, embedding backend {embedding_backend or 'default'}"
