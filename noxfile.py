@@ -23,7 +23,9 @@ BASE_ENV = {
     "RECIR_VERIFY": "2",
     "RECIR_CACHE_DIR": CACHE,
     "TORCHINDUCTOR_CACHE_DIR": os.path.join(CACHE, "inductor"),
-    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    # One OpenMP thread per process: the tests spawn gloo ranks and compiler workers on a 2-core machine,
+    # and oversubscribed OpenMP threads spin (measured: 10-100x slower eager steps).
+    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
 }
 
 
