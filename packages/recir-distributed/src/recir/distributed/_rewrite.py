@@ -86,8 +86,12 @@ def repropagate(step: StepGraph, transform: str) -> StepGraph:
             old = ph.meta.get("val")
             device = old.device if isinstance(old, torch.Tensor) else torch.device("cpu")
             inputs.append(torch.empty(slot.shape, dtype=slot.dtype, device=device))
+    old = {
+        n: tuple(n.meta["val"].shape) for n in step.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+    }
     try:
-        FakeTensorProp(step.graph_module, mode).propagate_dont_convert_inputs(*inputs)
+        _ShapeFollowingProp(step.graph_module, mode, old).propagate_dont_convert_inputs(*inputs)
+        step.graph_module.recompile()
     except Exception as exc:
         raise ConfigError(
             f"{transform}: the rewritten graph does not type-check with per-device shapes: {exc}. "
@@ -95,3 +99,36 @@ def repropagate(step: StepGraph, transform: str) -> StepGraph:
             "fix: replicate that slot in the plan or report the op."
         ) from exc
     return step
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+class _ShapeFollowingProp(FakeTensorProp):
+    """FakeTensorProp that rewrites a view/reshape which only adds or drops size-1 dims of a value that is
+    now sharded (e.g. RowWiseAdagrad's ``scale.reshape(rows, 1)``) to the value's per-device shape."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, old: dict[fx.Node, tuple[int, ...]]) -> None:
+        super().__init__(gm, mode)
+        self.old = old
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "call_function" and n.target in _VIEWS and isinstance(n.args[0], fx.Node):
+            src, shape = n.args[0], n.args[1]
+            new_in, old_in = self.env.get(src), self.old.get(src)
+            if (
+                isinstance(new_in, torch.Tensor)
+                and old_in is not None
+                and isinstance(shape, (list, tuple))
+                and all(isinstance(d, int) for d in shape)
+                and tuple(new_in.shape) != old_in
+                and len(new_in.shape) == len(old_in)
+            ):
+                pos_in = [i for i, d in enumerate(old_in) if d != 1]
+                pos_out = [i for i, d in enumerate(shape) if d != 1]
+                if [old_in[i] for i in pos_in] == [shape[i] for i in pos_out]:
+                    fixed = list(shape)
+                    for i, o in zip(pos_in, pos_out):
+                        fixed[o] = int(new_in.shape[i])
+                    n.update_arg(1, fixed)
+        return super().run_node(n)

@@ -138,9 +138,21 @@ def _check_elementwise(step: StepGraph, shards: list[fx.Node], name: str) -> Non
             and isinstance(val, torch.Tensor)
             and isinstance(src_val, torch.Tensor)
             and val.numel() < src_val.numel()
+            and not _keeps_dim0(node, src_val)
         ):
             raise ConfigError(
                 f"{name}: optimizer node %{node.name} ({base}) reduces over a sharded tensor; under FSDP it "
                 "would see one shard only (gradient clipping or a global norm). Fix: replicate those "
                 "parameters (DataParallel) or drop the clipping."
             )
+
+
+def _keeps_dim0(node: fx.Node, src: torch.Tensor) -> bool:
+    """A reduction over dims other than 0 (FSDP's shard dim) stays row-local, e.g. RowWiseAdagrad's
+    per-row ``mean(g * g, dim=1)``: every device reduces whole rows of its own shard."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not dims or src.dim() < 2:
+        return False
+    return all(isinstance(d, int) and d % src.dim() != 0 for d in dims)
