@@ -1,7 +1,7 @@
-"""Atomic torch.distributed.checkpoint (DCP) checkpoints of a flat `name -> tensor` training state.
+"""Atomic, sharded torch.distributed.checkpoint (DCP) checkpoints of a flat `name -> tensor` state.
 
-A checkpoint is written to `<dir>/.tmp-step-N`, then renamed to `<dir>/step-N`, then `<dir>/latest`
-is replaced atomically; a crash at any point leaves the previous checkpoint intact and named.
+Every rank writes its shards to `<dir>/.tmp-step-N` (recir.distributed.save_sharded, plan beside them),
+rank 0 renames it to `<dir>/step-N` and replaces `<dir>/latest`; a crash leaves the previous one usable.
 """
 
 from __future__ import annotations
@@ -9,45 +9,52 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from recir.transforms import DataError
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 KEEP = 2
 _META = "recir.json"
 
 
 def save_checkpoint(
-    directory: str | Path, step: int, state: Mapping[str, torch.Tensor], meta: dict[str, Any]
+    directory: str | Path,
+    step: int,
+    state: Mapping[str, torch.Tensor],
+    meta: dict[str, Any],
+    plan: Any = None,
 ) -> Path:
-    """Writes `state` (plus JSON `meta`) as checkpoint `step`; keeps the newest `KEEP` checkpoints."""
+    """Writes `state` (this rank's shards under `plan`, or global tensors) plus JSON `meta` as checkpoint
+    `step` through recir.distributed.save_sharded; keeps the newest `KEEP`. Call on every rank."""
+    from recir.distributed import save_sharded
+
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step}"
-    tmp = root / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group is initialised: intended
-        # per_thread_copy_ahead=0: DCP's overlapping loader would ask the privateuse1 device module for
-        # streams, and torchax (imported by the TPU path) registers one without them.
-        dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), per_thread_copy_ahead=0))
-    (tmp / _META).write_text(json.dumps({"step": step, **meta}))
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, root / "latest")
-    for old in sorted(root.glob("step-*"), key=_step_of)[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    final = save_sharded(root / f"step-{step}", state, plan, meta={"step": step, **meta})
+    if _rank() == 0:
+        pointer = root / ".latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / "latest")
+        for old in sorted(root.glob("step-*"), key=_step_of)[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return final
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _step_of(path: Path) -> int:
@@ -69,8 +76,11 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return max(done, key=_step_of) if done else None
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state, meta) of the checkpoint at `path` (a `step-N` directory or a checkpoint root)."""
+def load_checkpoint(path: str | Path, plan: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state, meta) of the checkpoint at `path` (a `step-N` directory or a checkpoint root): this rank's
+    shards under `plan` (None: global tensors), whatever plan and world size saved it."""
+    from recir.distributed import load_resharded
+
     path = Path(path)
     if not (path / _META).is_file():
         found = latest_checkpoint(path) if path.is_dir() else None
@@ -78,14 +88,4 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             raise DataError(f"{path}: no complete checkpoint found (expected {path}/step-N/{_META})")
         path = found
     meta = json.loads((path / _META).read_text())
-    md = FileSystemReader(str(path)).read_metadata()
-    state: dict[str, torch.Tensor] = {}
-    for key, item in md.state_dict_metadata.items():
-        size = getattr(item, "size", None)
-        if size is None:
-            continue
-        state[key] = torch.empty(size, dtype=item.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=str(path))
-    return state, meta
+    return load_resharded(path, plan, strict=False), meta

@@ -9,7 +9,7 @@ import sys
 
 from recir.transforms import RecIRError
 
-from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, TARGETS
+from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, PARALLEL, TARGETS
 
 
 def default_target() -> str:
@@ -26,7 +26,10 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     g.add_argument("--dataset", choices=DATASETS, default=d["dataset"], help="dataset (default %(default)s)")
     g.add_argument("--data_dir", default=None, help="directory holding the processed dataset file")
     g.add_argument(
-        "--batch_size", type=int, default=d["batch_size"], help="samples per step (default %(default)s)"
+        "--batch_size",
+        type=int,
+        default=d["batch_size"],
+        help="global samples per step, split over data-parallel ranks/devices (default %(default)s)",
     )
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (0 = inline)")
     g.add_argument("--seed", type=int, default=0, help="seed of the model init, dropout and synthetic data")
@@ -48,7 +51,10 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     )
     c = p.add_argument_group("compilation")
     c.add_argument(
-        "--target", choices=TARGETS, default=d["target"], help="training path (default %(default)s)"
+        "--target",
+        choices=TARGETS,
+        default=d["target"],
+        help="training path; eager-graph runs the captured step by its interpreter (default %(default)s)",
     )
     c.add_argument(
         "--embedding_backend",
@@ -76,6 +82,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     r.add_argument(
         "--num_eval_batches", type=int, default=defaults["num_eval_batches"], help="default %(default)s"
+    )
+    d = t.add_argument_group("distribution")
+    d.add_argument(
+        "--parallel",
+        choices=PARALLEL,
+        default="none",
+        help="GPU path (--target gpu or eager-graph) under torchrun --nproc-per-node N: dp (data parallel), "
+        "fsdp, hybrid (dp dense + table-wise tables), auto; with --target tpu --mesh: how the plan "
+        "shards the global step (default %(default)s; dp when --mesh is given)",
+    )
+    d.add_argument(
+        "--mesh", default=None, help="TPU path device mesh, e.g. data=8 or data=2,model=2 (--target tpu)"
     )
     r.add_argument("--tensorboard_dir", default=None, help="write TensorBoard scalars here")
     r.add_argument("--checkpoint_dir", default=None, help="write DCP checkpoints here")
@@ -126,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from ._train import train
 
-            train(_options(args))  # type: ignore[arg-type]
+            try:
+                train(_options(args))  # type: ignore[arg-type]
+            finally:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    dist.destroy_process_group()
             return 0
         if args.command == "parity":
             from ._parity import run_parity

@@ -116,7 +116,8 @@ def _kuairand_spec() -> DatasetSpec:
     )
 
 
-TARGETS = ("eager", "gpu", "tpu")
+TARGETS = ("eager", "eager-graph", "gpu", "tpu")
+PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
 EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
 OPTIMIZERS = ("auto", "reference", "adam", "adagrad")
 DATASETS: tuple[str, ...] = ("debug", "debug-random", "movielens-1m", "movielens-20m", "kuairand-1k")

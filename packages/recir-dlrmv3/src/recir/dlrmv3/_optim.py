@@ -85,9 +85,30 @@ def load_optimizer_state(
     for opt in optimizers:
         owned = {id(p) for g in opt.param_groups for p in g["params"]}
         for name, value in state.items():
-            if not name.startswith("optim:"):
+            if name == SHARED_STEP:  # a captured step's one Adam step count: every Adam param's `step`
+                if isinstance(opt, torch.optim.Adam):
+                    for g in opt.param_groups:
+                        for p in g["params"]:
+                            opt.state[p]["step"] = value.detach().clone().reshape(())
+                continue
+            if not name.startswith("optim:") or name.count(":") < 2:
                 continue
             pname, key = name[len("optim:") :].rsplit(":", 1)
             p = params.get(pname)
             if p is not None and id(p) in owned:
                 opt.state[p][key] = value.clone()
+
+
+SHARED_STEP = "optim:step"
+
+
+def with_shared_step(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` plus the captured step's shared `optim:step` taken from an eager per-parameter
+    `optim:<param>:step` when only those are present (an eager checkpoint loaded by a captured step)."""
+    out = dict(state)
+    if SHARED_STEP not in out:
+        for name, value in state.items():
+            if name.startswith("optim:") and name.endswith(":step"):
+                out[SHARED_STEP] = value
+                break
+    return out

@@ -41,6 +41,8 @@ class TrainOptions:
     sparse_lr: float = 1e-3
     optimizer: str = "auto"
     num_threads: int = 0
+    parallel: str = "none"
+    mesh: str | None = None
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -63,5 +65,14 @@ class TrainOptions:
                 raise ConfigError(f"--{key} must be >= 0, got {getattr(self, key)}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint_every needs --checkpoint_dir")
+        from ._config import PARALLEL
+
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")
+        if self.mesh is not None and self.target != "tpu":
+            raise ConfigError(
+                f"--mesh is the TPU path's flag (got --target {self.target}). Fix: --target tpu --mesh "
+                "data=N, or on the GPU path launch N processes with torchrun --nproc-per-node N --parallel dp."
+            )
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ConfigError("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")

@@ -4,23 +4,26 @@ checkpoints with exact resume (state, data position = global step, RNG).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import ConfigError
+from recir.transforms import ConfigError, DataError
 
+from ._batch import Batch
 from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._data import Data, make_data, train_batches
 from ._metrics import MetricAccumulator
 from ._model import DLRMv3
 from ._optim import make_optimizers
 from ._options import TrainOptions
+from ._parallel import check_batch_split, local_batch
 from ._trainers import Trainer, make_trainer
 
 
@@ -68,7 +71,7 @@ class _Progress:
     """A one-line progress bar on a terminal; silent otherwise."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.enabled = total, sys.stderr.isatty()
+        self.total, self.enabled = total, sys.stderr.isatty() and total > 0
 
     def update(self, done: int) -> None:
         if self.enabled:
@@ -82,37 +85,81 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _resume(opts: TrainOptions) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+def _resume(opts: TrainOptions) -> tuple[Path, int] | None:
+    """(checkpoint directory, its step) to resume from, or None."""
     if opts.resume is None:
         return None
     path = latest_checkpoint(opts.checkpoint_dir or "") if opts.resume == "latest" else Path(opts.resume)
     if path is None:
         return None  # nothing written yet: start from scratch
-    return load_checkpoint(path)
+    if not (path / "recir.json").is_file():
+        path = latest_checkpoint(path) if path.is_dir() else None
+        if path is None:
+            raise DataError(f"--resume {opts.resume}: no complete checkpoint found there")
+    return path, int(json.loads((path / "recir.json").read_text())["step"])
+
+
+def _setup_parallel(opts: TrainOptions) -> tuple[int, int, Any]:
+    """(rank, data-parallel size, TPU mesh or None); starts the process group for --parallel on the GPU path."""
+    if opts.target == "tpu" and opts.mesh is not None:
+        from ._parallel import parse_mesh
+
+        mesh = parse_mesh(opts.mesh)
+        check_batch_split(opts.batch_size, mesh.data_size)
+        return 0, 1, mesh
+    if opts.parallel == "none" or opts.target not in ("gpu", "eager-graph"):
+        return 0, 1, None
+    from ._parallel import init_process_group
+
+    rank, world = init_process_group()
+    check_batch_split(opts.batch_size, world)
+    return rank, world, None
+
+
+def _local_batches(data: Data, start: int, stop: int, rank: int, world: int) -> Iterator[Batch]:
+    for step in range(start, stop):
+        yield local_batch(data, step, rank, world)
 
 
 def _print(line: str) -> None:
     print(line, flush=True)
 
 
+def _silent(line: str) -> None:
+    del line
+
+
 def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResult:
     """Runs `opts.num_train_batches` global steps (fewer when resuming) and evaluates at the end."""
     model, data, optimizers = build(opts)
+    rank, world, mesh = _setup_parallel(opts)
+    if rank != 0:
+        log = _silent  # logs from rank 0 only
+    parallel = "dp" if mesh is not None and opts.parallel == "none" else opts.parallel
     resumed = _resume(opts)
-    start = int(resumed[1]["step"]) if resumed else 0
-    trainer = make_trainer(opts.target, model, optimizers, data.train_batch(start), opts.embedding_backend)
+    start = resumed[1] if resumed else 0
+    example = local_batch(data, start, rank, world) if world > 1 else data.train_batch(start)
+    trainer = make_trainer(
+        opts.target, model, optimizers, example, opts.embedding_backend, parallel=parallel, mesh=mesh
+    )
     if resumed:
-        trainer.load_state_dict(resumed[0])
+        # the checkpoint may come from another plan, world size or path: read this trainer's shards
+        trainer.load_state_dict(load_checkpoint(resumed[0], trainer.checkpoint_plan)[0])
         log(f"resumed from step {start} ({opts.resume})")
     writer = None
-    if opts.tensorboard_dir:
+    if opts.tensorboard_dir and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(opts.tensorboard_dir, purge_step=start)
     result = TrainResult(start_step=start)
-    progress = _Progress(opts.num_train_batches)
+    progress = _Progress(opts.num_train_batches if rank == 0 else 0)
     window_t, window_n, timed_t, timed_n = time.perf_counter(), 0, 0.0, 0
-    for step, batch in enumerate(train_batches(data, start, opts.num_train_batches, opts.num_workers), start):
+    batches = (
+        _local_batches(data, start, opts.num_train_batches, rank, world)
+        if world > 1
+        else train_batches(data, start, opts.num_train_batches, opts.num_workers)
+    )
+    for step, batch in enumerate(batches, start):
         data.stats.add(batch)
         t0 = time.perf_counter()
         loss_t, _ = trainer.step(batch)
@@ -141,8 +188,10 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
                 for k, v in metrics.items():
                     writer.add_scalar(f"eval/{k}", v, done)
         if opts.checkpoint_every and done % opts.checkpoint_every == 0:
-            meta = {"dataset": opts.dataset, "target": opts.target, "seed": opts.seed}
-            path = save_checkpoint(opts.checkpoint_dir or "", done, trainer.state_dict(), meta)
+            meta = {"dataset": opts.dataset, "target": opts.target, "seed": opts.seed, "parallel": parallel}
+            path = save_checkpoint(
+                opts.checkpoint_dir or "", done, trainer.state_dict(), meta, trainer.checkpoint_plan
+            )
             log(f"checkpoint step {done} -> {path}")
         progress.update(done)
     progress.close()
@@ -158,7 +207,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
     steps = len(result.losses)
     final = f"{result.losses[-1]:.6f}" if result.losses else "n/a"
     log(
-        f"done: target {opts.target}, {steps} steps, {result.samples_per_second:.1f} samples/s "
+        f"done: target {opts.target}{f' x{world} ranks ({parallel})' if world > 1 else ''}, {steps} steps, {result.samples_per_second:.1f} samples/s "
         f"({result.ms_per_step:.1f} ms/step after compile), final loss {final}, "
         f"padding waste {100 * data.stats.waste:.1f}%; eval: {_format_metrics(result.metrics)}"
     )

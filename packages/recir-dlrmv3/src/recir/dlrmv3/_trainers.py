@@ -1,5 +1,5 @@
-"""One trainer interface over the three targets: `eager` (torch.optim on the live model), `gpu`
-(capture + recir.lower_gpu.compile) and `tpu` (capture + recir.lower_tpu.compile).
+"""One trainer interface over the targets: `eager` (torch.optim on the live model), `eager-graph` (capture,
+run by the StepGraph interpreter), `gpu` (capture + recir.lower_gpu.compile), `tpu` (recir.lower_tpu).
 
 Every trainer exposes its state as one flat `slot name -> tensor` dict (the StepGraph's names:
 `param:*`, `buffer:*`, `optim:*`, `rng:*`), which checkpoints and the parity tool use.
@@ -18,7 +18,7 @@ from recir.transforms import ConfigError
 from ._batch import Batch
 from ._config import EMBEDDING_BACKENDS, TARGETS
 from ._model import DLRMv3, loss_fn
-from ._optim import load_optimizer_state, optimizer_state
+from ._optim import load_optimizer_state, optimizer_state, with_shared_step
 
 _ENGINES = {"gpu": "recir.lower_gpu", "tpu": "recir.lower_tpu"}
 _RNG = "rng:torch_cpu"
@@ -28,6 +28,7 @@ class Trainer(Protocol):
     model: DLRMv3
     compile_seconds: float
     description: str
+    checkpoint_plan: Any  # the plan state_dict()'s shards follow (None: global tensors)
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -41,6 +42,7 @@ class EagerTrainer:
     def __init__(self, model: DLRMv3, optimizers: list[torch.optim.Optimizer]) -> None:
         self.model, self.optimizers = model, optimizers
         self.compile_seconds = 0.0
+        self.checkpoint_plan = None
         self.description = "eager PyTorch (nothing to compile)"
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +121,10 @@ class CompiledTrainer:
         example: Batch,
         target: str,
         embedding_backend: str | None,
+        mesh: Any = None,
+        parallel: str = "dp",
     ) -> None:
-        lowering = engine(target)
+        lowering = engine("gpu" if target == "eager-graph" else target)
         from recir.capture import capture_train_step
         from recir.embedding import overrides
 
@@ -136,11 +140,27 @@ class CompiledTrainer:
         started = time.perf_counter()
         self.graph = capture_train_step(model, opt, loss_fn, example, overrides=overrides())
         self.capture_seconds = time.perf_counter() - started
-        self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend)
+        self.checkpoint_plan = None  # state_dict() holds global tensors on every target here
+        if target == "eager-graph":
+            self.compiled: Any = _Interpreted(self.graph)
+            self.description = "the captured StepGraph's reference interpreter (no compile)"
+        elif mesh is not None:  # the TPU path: a global-batch plan, GSPMD partitions the step over the mesh
+            import recir.distributed as rd
+
+            from ._parallel import parallel_mode
+
+            plan = rd.plan(self.graph, parallel_mode(parallel), mesh, batch="global")
+            self.compiled = lowering.compile(self.graph, plan, mesh=mesh, embedding_backend=embedding_backend)
+            self.description = (
+                f"{lowering.__name__}.compile on {_device_words(target)}, mesh {mesh.axes}, "
+                f"parallel {parallel} ({plan.mode}), embedding backend {embedding_backend or 'default'}"
+            )
+        else:
+            self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend)
+            self.description = f"{lowering.__name__}.compile on {_device_words(target)}, embedding backend {embedding_backend or 'default'}"
         self.state = self.compiled.init_state(model, opt)
         self._first = True
         self.compile_seconds = 0.0
-        self.description = f"{lowering.__name__}.compile on {_device_words(target)}, embedding backend {embedding_backend or 'default'}"
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
@@ -157,11 +177,34 @@ class CompiledTrainer:
         return {k: torch.as_tensor(v).detach().cpu() for k, v in self.compiled.state_dict(self.state).items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.state = self.compiled.load_state_dict(dict(state))
+        merged = self.state_dict()  # slots the checkpoint lacks (e.g. another path's RNG) keep their values
+        merged.update(with_shared_step(state))
+        self.state = self.compiled.load_state_dict(merged)
 
     def sync_model(self) -> DLRMv3:
         load_slots_into_model(self.model, self.compiled.state_dict(self.state))
         return self.model
+
+
+class _Interpreted:
+    """A StepGraph run by its reference interpreter, behind the CompiledStep interface (`eager-graph`)."""
+
+    compile_seconds = 0.0
+
+    def __init__(self, step: Any) -> None:
+        self.step = step
+
+    def init_state(self, model: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
+        return self.step.init_state(model, optimizer)
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        return self.step(state, batch)
+
+    def state_dict(self, state: Any) -> dict[str, torch.Tensor]:
+        return self.step.state_dict(state)
+
+    def load_state_dict(self, sd: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        return self.step.load_state_dict(dict(sd))
 
 
 def make_trainer(
@@ -170,7 +213,26 @@ def make_trainer(
     optimizers: list[torch.optim.Optimizer],
     example: Batch,
     embedding_backend: str | None = None,
+    parallel: str = "none",
+    mesh: Any = None,
 ) -> Trainer:
+    """`eager`, or the captured step on `target`; `parallel` other than `none` on the GPU path (`gpu`,
+    `eager-graph`) trains this rank's recir.distributed program (`example` is then this rank's batch)."""
     if target == "eager":
+        if parallel != "none" or mesh is not None:
+            raise ConfigError(
+                "--parallel / --mesh need the captured step. Fix: --target eager-graph (interpreted), "
+                "--target gpu (torchrun) or --target tpu --mesh data=N."
+            )
         return EagerTrainer(model, optimizers)
+    if target == "tpu" and mesh is not None:
+        return CompiledTrainer(model, optimizers, example, target, embedding_backend, mesh, parallel)
+    if parallel != "none":
+        if target == "tpu":
+            raise ConfigError(
+                "--target tpu --parallel needs --mesh (e.g. --mesh data=8): GSPMD splits the step"
+            )
+        from ._parallel import DistributedTrainer
+
+        return DistributedTrainer(model, optimizers, example, target, embedding_backend, parallel)  # type: ignore[return-value]
     return CompiledTrainer(model, optimizers, example, target, embedding_backend)

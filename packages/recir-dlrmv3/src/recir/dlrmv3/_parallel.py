@@ -1,0 +1,159 @@
+"""`--parallel` / `--mesh`: one process per device under torchrun (GPU path: gloo on CPU, NCCL on CUDA)
+running this rank's recir.distributed program, and the TPU path's global-batch plan over a JAX mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from recir.transforms import ConfigError
+
+from ._batch import Batch
+from ._data import Data
+from ._model import DLRMv3, loss_fn
+
+DEFAULT_MESH_AXIS = "data"
+
+
+def parallel_mode(name: str) -> Any:
+    """The recir.distributed mode of `--parallel NAME` (hybrid: data-parallel dense, table-wise tables)."""
+    import recir.distributed as rd
+
+    modes = {
+        "dp": rd.DataParallel(),
+        "fsdp": rd.FullyShardedDataParallel(),
+        "hybrid": rd.HybridParallel(tables=rd.table_wise()),
+        "auto": "auto",
+    }
+    if name not in modes:
+        raise ConfigError(f"unknown --parallel {name!r}; expected one of none, {', '.join(modes)}")
+    return modes[name]
+
+
+def parse_mesh(text: str) -> Any:
+    """`data=8` or `data=2,model=2` as a recir.distributed Mesh."""
+    import recir.distributed as rd
+
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = part.strip().partition("=")
+        if not eq or not size.strip().isdigit():
+            raise ConfigError(f"--mesh {text!r}: expected NAME=SIZE[,NAME=SIZE], e.g. --mesh data=8")
+        axes[name.strip()] = int(size)
+    return rd.Mesh(axes=axes)
+
+
+def init_process_group() -> tuple[int, int]:
+    """(rank, world size): torchrun's group (NCCL on CUDA, gloo on CPU), or a 1-process gloo group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+        else:  # launched without torchrun: a one-process group
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def check_batch_split(batch_size: int, data_size: int) -> None:
+    if batch_size % data_size:
+        lo = batch_size // data_size * data_size or data_size
+        raise ConfigError(
+            f"--batch_size {batch_size} (the global batch) does not split over the data-parallel size "
+            f"{data_size}. Fix: use a multiple of {data_size}, e.g. --batch_size {lo} or "
+            f"--batch_size {lo + data_size}."
+        )
+
+
+def local_batch(data: Data, step: int, rank: int, world: int) -> Batch:
+    """Rank `rank`'s contiguous slice of global train step `step`'s samples (the global batch split)."""
+    idx = data.train_indices(step)
+    n = len(idx) // world
+    return data._collate([data.train[i] for i in idx[rank * n : (rank + 1) * n]])
+
+
+class DistributedTrainer:
+    """This rank's recir.distributed program of the captured step: interpreted (`eager-graph`) or
+    compiled by recir.lower_gpu (`gpu`). Batches are this rank's local slice; the loss is the global mean.
+    """
+
+    def __init__(
+        self,
+        model: DLRMv3,
+        optimizers: list[torch.optim.Optimizer],
+        example: Batch,
+        target: str,
+        embedding_backend: str | None,
+        mode: str,
+    ) -> None:
+        import recir.distributed as rd
+        from recir.capture import capture_train_step
+        from recir.embedding import overrides
+
+        self.rank, self.world = init_process_group()
+        self.model = model
+        opt: Any = optimizers[0] if len(optimizers) == 1 else list(optimizers)
+        model.train()
+        started = time.perf_counter()
+        graph = capture_train_step(model, opt, loss_fn, example, overrides=overrides())
+        self.plan = rd.plan(graph, parallel_mode(mode), rd.Mesh(axes={DEFAULT_MESH_AXIS: self.world}))
+        self.checkpoint_plan = self.plan
+        self.dstep = rd.distribute(graph, self.plan, self.rank)
+        self.capture_seconds = time.perf_counter() - started
+        if target == "gpu":
+            from recir.lower_gpu import compile as lower
+
+            self.program: Any = lower(self.dstep, self.plan, embedding_backend=embedding_backend)
+            where = "recir.lower_gpu.compile"
+        else:
+            self.program = self.dstep
+            where = "the StepGraph interpreter"
+        self.state = self.program.init_state(model, opt)
+        self._first, self.compile_seconds = True, 0.0
+        self.description = (
+            f"{where}, {self.world} rank(s), parallel {mode} ({self.plan.mode}), "
+            f"{torch.distributed.get_backend()} process group"
+        )
+
+    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
+        self.state, outputs = self.program(self.state, batch)
+        if self._first:
+            self._first = False
+            compiled = getattr(self.program, "compile_seconds", None)
+            self.compile_seconds = self.capture_seconds + float(compiled or time.perf_counter() - started)
+        return torch.as_tensor(outputs[0]).detach(), torch.as_tensor(outputs[1]).detach()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shards by slot name (save them with the plan: `save_checkpoint(..., plan)`)."""
+        return {k: torch.as_tensor(v).detach().cpu() for k, v in self.program.state_dict(self.state).items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """This rank's shards (slots the mapping lacks keep their current values)."""
+        from ._optim import with_shared_step
+
+        merged = self.state_dict()
+        merged.update(with_shared_step(state))
+        self.state = self.program.load_state_dict(merged)
+
+    def sync_model(self) -> DLRMv3:
+        """Gathers the global state (collective: every rank calls it) into the live model."""
+        import recir.distributed as rd
+
+        from ._trainers import load_slots_into_model
+
+        local = self.state_dict()
+        full = rd.gather_state(self.plan, self.dstep, [local[s.name] for s in self.dstep.signature.state])
+        load_slots_into_model(self.model, full)
+        return self.model
