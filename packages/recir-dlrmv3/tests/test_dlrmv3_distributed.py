@@ -61,17 +61,34 @@ def test_dlrmv3_parallel_errors(capsys):
 
 
 @pytest.mark.tpu
-def test_dlrmv3_tpu_mesh_data8_matches_one_device():
+def test_dlrmv3_tpu_mesh_data8_matches_one_device(tmp_path):
     import jax
 
     if jax.device_count() < 8:
         pytest.skip("needs 8 JAX devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     opts = dict(SMALL, num_train_batches=3)
     lines: list[str] = []
-    meshed = train(TrainOptions(target="tpu", mesh="data=8", **opts), log=lines.append)  # type: ignore[arg-type]
+    ckpt = str(tmp_path / "ckpt")
+    meshed = train(
+        TrainOptions(target="tpu", mesh="data=8", checkpoint_dir=ckpt, checkpoint_every=1, **opts),  # type: ignore[arg-type]
+        log=lines.append,
+    )
     assert any("mesh {'data': 8}" in line for line in lines), lines
     ref = train(TrainOptions(target="eager", **opts), log=lambda _: None)  # type: ignore[arg-type]
     assert all(math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-5) for a, b in zip(meshed.losses, ref.losses)), (
         meshed.losses,
         ref.losses,
     )
+    # the TPU path's (global) checkpoint resumes on the GPU path's distributed program (1-rank group)
+    try:
+        resumed = train(
+            TrainOptions(target="eager-graph", parallel="fsdp", resume=ckpt + "/step-2", **opts),  # type: ignore[arg-type]
+            log=lambda _: None,
+        )
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert resumed.start_step == 2
+    assert math.isclose(resumed.losses[0], ref.losses[2], rel_tol=1e-3, abs_tol=1e-5)
