@@ -63,3 +63,23 @@ def save_then_reshard(rank: int, world: int, directory: str, save_mode: object, 
     for name, want in ref_final.items():
         assert torch.allclose(gathered[name], want, atol=2e-5, rtol=1e-4), name
     assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5) for a, b in zip(losses, ref_losses[3:]))
+
+
+def load_on_four(rank: int, world: int, directory: str) -> None:
+    """A 2-rank checkpoint read by 4 ranks under row-wise tables + FSDP: each block is the global state's."""
+    import _distributed_models as M
+    import recir.distributed as rd
+
+    _, half, _ = reference(2, 6)
+    local = M.emb_step(LOCAL_B)
+    plan = rd.plan(
+        local,
+        rd.HybridParallel(tables=rd.row_wise(), dense=rd.FullyShardedDataParallel()),
+        rd.Mesh(axes={"data": world}),
+    )
+    loaded = rd.load_resharded(directory, plan, rank)
+    assert set(loaded) == set(plan.slots)
+    for name, t in loaded.items():
+        assert tuple(t.shape) == plan.local_shape(name, rank), name
+        want = rd.shard_tensor(plan, name, half[name], rank)
+        assert torch.allclose(t, want, atol=2e-5, rtol=1e-4), name

@@ -1,6 +1,6 @@
 """Sharded DCP checkpoints: saved by 2 gloo ranks under one plan, loaded by the same 2 ranks under another
 mode and by one process with no plan; training continues and matches one process on the global batch
-(parameters, optimizer state, losses).
+(parameters, optimizer state, losses), and by 4 ranks under another plan.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import pytest
 import recir.distributed as rd
 import torch
-from _distributed_ckpt_workers import LOCAL_B, reference, save_then_reshard
+from _distributed_ckpt_workers import LOCAL_B, load_on_four, reference, save_then_reshard
 from _distributed_workers import spawn
 
 
@@ -36,6 +36,8 @@ def test_checkpoint_saved_by_two_ranks_reshards(tmp_path):
         assert math.isclose(float(out[0]), ref_losses[k], rel_tol=1e-4, abs_tol=1e-5)
     for name, want in gstep.state_dict(state).items():
         assert torch.allclose(want, ref_final[name], atol=2e-5, rtol=1e-4), name
+    # and by 4 ranks under row-wise tables + FSDP dense (each rank's block of the saved global state)
+    spawn(load_on_four, 4, str(directory))
 
 
 def test_checkpoint_errors(tmp_path):
