@@ -73,7 +73,7 @@ def test_dlrmv3_cli_train_prints_the_contract_lines(tmp_path):
 
 def test_dlrmv3_resume_after_sigkill_reproduces_the_losses(tmp_path):
     ckpt = tmp_path / "ckpt"
-    base = ["train", "--num_train_batches", "200", "--log_every", "1", "--checkpoint_dir", str(ckpt),
+    base = ["train", "--target", "eager", "--num_train_batches", "200", "--log_every", "1", "--checkpoint_dir", str(ckpt),
             "--checkpoint_every", "3"] + [f"--{k}={v}" for k, v in TINY.items()]  # fmt: skip
     proc = subprocess.Popen(_CLI + base, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
