@@ -7,7 +7,7 @@ kernels; ``in_graph`` inlines the pure-ATen reference (traceable: Inductor and t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from recir.transforms import (
 from recir.transforms import verify_level as _verify_level
 
 from . import _ops
+from . import _ring_shift as _ring_shift  # registers the recir::ring_shift_* ops
 from ._checks import checks_enabled
 from ._graph import splice
 from ._transforms.sparsify_update import SparsifyUpdate
@@ -35,6 +36,7 @@ TARGETS: tuple[str, ...] = ("gpu", "tpu")
 _BAG = torch.ops.recir.embedding_bag.default
 _SEQ = torch.ops.recir.embedding.default
 _CHECK = torch.ops.recir.check_jagged.default
+_SAME = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default}
 _BAG_OPS = {
     _BAG,
     torch.ops.recir.fbgemm_embedding_bag.default,
@@ -60,7 +62,7 @@ def _copy(step: StepGraph) -> StepGraph:
     return step.replace(graph_module=fx.GraphModule(step.graph_module, graph))
 
 
-def _require(backend: str, target: str, device: Any) -> None:
+def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, str] | None) -> None:
     dev = torch.device(device) if device is not None else None
     if backend in ("fbgemm", "torchrec") and target == "tpu":
         raise ConfigError(
@@ -91,11 +93,13 @@ def _require(backend: str, target: str, device: Any) -> None:
                 "the 'ring_shift' embedding backend needs JAX: install the recir-lower-tpu dependencies "
                 "(jax, torchax)"
             ) from e
-        raise ConfigError(
-            "embedding backend 'ring_shift' needs row-wise sharded tables (a recir.distributed ShardingPlan "
-            "with row_wise embedding sharding), which this StepGraph does not carry; it is not available yet. "
-            "Fix: use backend='in_graph' on TPU."
-        )
+        if not row_sharded:
+            raise ConfigError(
+                "embedding backend 'ring_shift' needs row-wise sharded tables on a mesh, and none were given "
+                "(row_sharded is empty). Fix: compile with a recir.distributed plan that shards the tables "
+                "row-wise, e.g. recir.lower_tpu.compile(step, rd.plan(step, rd.row_wise(), mesh, "
+                "batch='global'), mesh=..., embedding_backend='ring_shift'), or use backend='in_graph'."
+            )
 
 
 def _inline(step: StepGraph, node: fx.Node, fn: Callable[..., Any], args: list[fx.Node]) -> None:
@@ -118,7 +122,37 @@ def _bag_reference(extra: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
     return lambda w, i, o, p: embedding_bag_reference(w, i, o, p, mode)
 
 
-def _apply_backend(step: StepGraph, backend: str, target: str, keep_checks: bool | None) -> dict[str, int]:
+def _table_slot(step: StepGraph, weight: Any) -> str | None:
+    """The state slot a lookup's weight argument is (its placeholder, through detach/alias), or None."""
+    while isinstance(weight, fx.Node) and weight.op == "call_function" and weight.target in _SAME:
+        weight = weight.args[0]
+    if not isinstance(weight, fx.Node) or weight.op != "placeholder":
+        return None
+    placeholders = [n for n in step.graph.nodes if n.op == "placeholder"]
+    i = placeholders.index(weight)
+    state = step.signature.state
+    return state[i].name if i < len(state) else None
+
+
+def _ring_axis(step: StepGraph, node: fx.Node, row_sharded: Mapping[str, str]) -> str:
+    slot = _table_slot(step, node.args[0])
+    if slot is None or slot not in row_sharded:
+        table = slot or getattr(node.args[0], "name", repr(node.args[0]))
+        raise ConfigError(
+            f"embedding backend 'ring_shift': lookup %{node.name} reads table {table!r}, which is not "
+            f"row-wise sharded (row-sharded tables: {sorted(row_sharded)}). Fix: shard it row-wise in the "
+            "plan (recir.distributed.row_wise(...)), or use backend='in_graph'."
+        )
+    return row_sharded[slot]
+
+
+def _apply_backend(
+    step: StepGraph,
+    backend: str,
+    target: str,
+    keep_checks: bool | None,
+    row_sharded: Mapping[str, str] | None = None,
+) -> dict[str, int]:
     counts = {"lookups": 0, "checks_removed": 0}
     if keep_checks is None:
         keep_checks = target == "gpu" and checks_enabled()
@@ -139,6 +173,8 @@ def _apply_backend(step: StepGraph, backend: str, target: str, keep_checks: bool
                     step, node, _bag_reference((p is None, mode)), [w, i, o] + ([p] if p is not None else [])
                 )
             else:
+                if backend == "ring_shift":
+                    node.args = (*node.args, _ring_axis(step, node, row_sharded or {}))
                 node.target = getattr(torch.ops.recir, f"{backend}_embedding_bag").default
                 node.meta[OVERRIDE_KEY] = f"recir-embedding-{backend}"
         elif node.target in _SEQ_OPS:
@@ -146,6 +182,8 @@ def _apply_backend(step: StepGraph, backend: str, target: str, keep_checks: bool
             if backend == "in_graph":
                 _inline(step, node, _ops.embedding_reference, list(node.args))
             else:
+                if backend == "ring_shift":
+                    node.args = (*node.args, _ring_axis(step, node, row_sharded or {}))
                 node.target = getattr(torch.ops.recir, f"{backend}_embedding").default
                 node.meta[OVERRIDE_KEY] = f"recir-embedding-{backend}"
     return counts
@@ -159,6 +197,7 @@ def prepare_for_lowering(
     device: Any = None,
     sparse_updates: bool = True,
     keep_checks: bool | None = None,
+    row_sharded: Mapping[str, str] | None = None,
 ) -> StepGraph:
     """The StepGraph a lowering compiles: sparse row-wise updates, then the chosen embedding backend.
 
@@ -167,7 +206,9 @@ def prepare_for_lowering(
     ``keep_checks``: keep the ``recir::check_jagged`` nodes (run-time id/length checks raising DataError);
     None keeps them on the gpu target while checks are enabled and drops them on tpu (validate batches
     on the host there). Drop them (False) for CUDA graphs: the check reads the ids on the host.
-    Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
+    ``row_sharded``: state slot -> mesh axis of the row-wise sharded tables (``ring_shift`` needs it: its
+    lookups become ``recir::ring_shift_*`` ops carrying the axis; a lookup of any other table is a
+    ConfigError). Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
     ``step.meta["recir.embedding"]`` records the backend and what changed.
     """
     if target not in TARGETS:
@@ -175,14 +216,14 @@ def prepare_for_lowering(
     name = backend or default_backend(target, device)
     if name not in BACKENDS:
         raise ConfigError(f"unknown embedding backend {name!r}; choose one of {BACKENDS}")
-    _require(name, target, device)
+    _require(name, target, device, row_sharded)
     out = _copy(step)
     report: dict[str, Any] = {"backend": name, "target": target}
     if sparse_updates and "recir.optimizer" in out.meta:
         pipeline = Pipeline([SparsifyUpdate()], name="recir.embedding.prepare_for_lowering")
         out = pipeline.run(out)
         report["sparsify"] = dict(pipeline.records[-1].stats)
-    report.update(_apply_backend(out, name, target, keep_checks))
+    report.update(_apply_backend(out, name, target, keep_checks, row_sharded))
     out.graph.eliminate_dead_code()
     out.graph.lint()
     out.graph_module.recompile()

@@ -3,11 +3,16 @@
 Each device keeps its table shard; the batch's ids (sharded like the batch) and their partial results
 travel one hop per step (``ppermute``), and each device fills in the rows it owns with a Pallas gather
 kernel (interpret mode off-TPU). After ``n`` hops every id has met every shard and is back home.
+The ``recir::ring_shift_*`` graph ops mark lookups of row-sharded tables for recir.lower_tpu.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+from recir.transforms import embedding_bag_reference, register_override_op
+from torch import Tensor
 
 
 def _jax() -> Any:
@@ -72,3 +77,52 @@ def ring_shift_lookup(table: Any, ids: Any, mesh: Any, axis: str, *, interpret: 
         per_device, mesh=mesh, in_specs=(P(axis, None), P(axis)), out_specs=P(axis, None), check_vma=False
     )
     return fn(table, ids)
+
+
+# -- graph ops: the lookups prepare_for_lowering(backend="ring_shift") puts in a StepGraph ----------------
+RING_SHIFT_BACKEND = "recir-embedding-ring_shift"
+
+
+def ring_shift_embedding_bag_reference(
+    weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None, mode: int, axis: str
+) -> Tensor:
+    """Pure-ATen form (``recir::embedding_bag``'s reference); ``axis`` only matters to the JAX lowering."""
+    del axis
+    return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode)
+
+
+def ring_shift_embedding_reference(weight: Tensor, ids: Tensor, axis: str) -> Tensor:
+    """Pure-ATen form: ``weight[ids]``."""
+    del axis
+    return weight.index_select(0, ids)
+
+
+@torch.library.custom_op("recir::ring_shift_embedding_bag", mutates_args=())
+def ring_shift_embedding_bag(
+    weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None, mode: int, axis: str
+) -> Tensor:
+    """``recir::embedding_bag`` of a table row-sharded over mesh axis ``axis`` (forward only).
+
+    Eagerly the plain lookup; recir.lower_tpu lowers it to ``ring_shift_lookup`` plus per-bag pooling.
+    """
+    return ring_shift_embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, axis)
+
+
+@ring_shift_embedding_bag.register_fake
+def _ring_bag_fake(weight, indices, offsets, per_sample_weights, mode, axis):
+    return weight.new_empty(offsets.shape[0] - 1, weight.shape[1])
+
+
+@torch.library.custom_op("recir::ring_shift_embedding", mutates_args=())
+def ring_shift_embedding(weight: Tensor, ids: Tensor, axis: str) -> Tensor:
+    """``recir::embedding`` of a table row-sharded over mesh axis ``axis`` (forward only)."""
+    return ring_shift_embedding_reference(weight, ids, axis)
+
+
+@ring_shift_embedding.register_fake
+def _ring_emb_fake(weight, ids, axis):
+    return weight.new_empty(ids.shape[0], weight.shape[1])
+
+
+for _op in ("ring_shift_embedding_bag", "ring_shift_embedding"):
+    register_override_op(f"recir::{_op}", RING_SHIFT_BACKEND)

@@ -1,0 +1,54 @@
+"""``prepare_for_lowering(backend="ring_shift")``: lookups of row-sharded tables become forward-only
+``recir::ring_shift_*`` ops carrying their mesh axis (eagerly the plain lookup); gradients stay ATen.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from recir.embedding import ConfigError, overrides, prepare_for_lowering
+from recir.embedding._testing import DEFAULTS, build_step
+from recir.transforms import apply_overrides
+
+pytest.importorskip("jax")
+
+
+def _captured(helpers):
+    model, _ = apply_overrides(copy.deepcopy(helpers.make_torchrec_model()), overrides())
+    batch, _ = helpers.random_batch(torch.Generator().manual_seed(1))
+    step = build_step(model, helpers.loss_fn, batch, "adagrad", dict(DEFAULTS["adagrad"]))
+    tables = sorted({s.name for s in step.signature.state if s.kind == "param" and "weight" in s.name})
+    return model, step, tables
+
+
+def test_ring_shift_marks_row_sharded_lookups(helpers):
+    model, step, tables = _captured(helpers)
+    ring = prepare_for_lowering(
+        step, backend="ring_shift", target="tpu", row_sharded=dict.fromkeys(tables, "x")
+    )
+    ops = [n for n in ring.graph.nodes if n.op == "call_function" and "ring_shift" in str(n.target)]
+    kinds = sorted(str(n.target) for n in ops)
+    assert kinds == ["recir.ring_shift_embedding.default"] + ["recir.ring_shift_embedding_bag.default"] * 2
+    assert all(n.args[-1] == "x" and n.meta["recir.phase"] == "forward" for n in ops)
+    assert ring.meta["recir.embedding"]["backend"] == "ring_shift"
+    assert len(ring.meta["recir.embedding"]["sparsify"]["sparsified"]) == 3  # gradients stay row updates
+    ref = prepare_for_lowering(step, backend="in_graph", target="tpu")
+    s_ring, s_ref = ring.init_state(model), ref.init_state(model)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        batch, _ = helpers.random_batch(gen)
+        s_ring, out_ring = ring(s_ring, batch)
+        s_ref, out_ref = ref(s_ref, batch)
+        torch.testing.assert_close(out_ring, out_ref)
+    for a, b in zip(s_ring, s_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_ring_shift_needs_row_sharded_tables(helpers):
+    _, step, tables = _captured(helpers)
+    with pytest.raises(ConfigError, match="ring_shift' needs row-wise sharded tables on a mesh"):
+        prepare_for_lowering(step, backend="ring_shift", target="tpu")
+    with pytest.raises(ConfigError, match=f"reads table '{tables[0]}', which is not row-wise sharded"):
+        prepare_for_lowering(step, backend="ring_shift", target="tpu", row_sharded={tables[1]: "x"})
