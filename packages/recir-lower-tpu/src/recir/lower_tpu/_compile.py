@@ -18,7 +18,7 @@ from recir.embedding import prepare_for_lowering
 from recir.transforms import ConfigError, DataError, StepGraph, verify, verify_level
 from torch import nn
 
-from . import _host_checks, _lowerings  # noqa: F401 - register RecIR's built-in lowerings
+from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
 from ._cache import cache_hits, enable_compile_cache
 from ._convert import jax_dtype, to_jax, to_torch
 from ._placement import Placement
@@ -71,7 +71,7 @@ class TPUCompiledStep:
         self._env = recir_env()
         check_lowerings(step, self._env)
         self._jitted = jax.jit(
-            jax_step_fn(step, self._env, out_dtypes),
+            _ring_shift.with_ring_mesh(jax_step_fn(step, self._env, out_dtypes), placement.mesh),
             donate_argnums=(0,) if options.donate_state else (),
             in_shardings=(self._state_shardings, self._batch_shardings),
             out_shardings=(self._state_shardings, None),
@@ -214,19 +214,25 @@ def compile(
     Runs on a TPU when JAX has one, else on JAX's CPU backend. ``plan`` (a recir.distributed
     ShardingPlan) shards state and batch over its mesh; ``mesh`` alone replicates over it; with neither,
     everything lives on the default device. ``embedding_backend``: recir-embedding's backend for the
-    TPU target (``None``/``"in_graph"``; see ``recir.embedding.prepare_for_lowering``). Compiles at the
-    first call.
+    TPU target: ``None``/``"in_graph"``, or ``"ring_shift"`` (needs ``plan`` to shard every looked-up
+    table row-wise: ids travel a device ring and each device gathers its own rows with a Pallas kernel;
+    see ``recir.embedding.prepare_for_lowering``). Compiles at the first call.
     """
     if verify_level() >= 1:
         verify(step, transform="recir.lower_tpu.compile")
     # recir-embedding's preparation (a copy; `step` is never mutated): sparse row-wise updates for
     # tables, the embedding backend's kernels, and host-side (not in-graph) batch checks on TPU.
+    placement = placement_for(mesh, plan)
+    row_sharded = _ring_shift.row_sharded_tables(plan) if placement.mesh is not None else {}
     step = prepare_for_lowering(
-        step, backend=embedding_backend, target="tpu", sparse_updates=options.sparse_updates
+        step,
+        backend=embedding_backend,
+        target="tpu",
+        sparse_updates=options.sparse_updates,
+        row_sharded=row_sharded if embedding_backend == "ring_shift" else None,
     )
     if options.persistent_cache:
         enable_compile_cache(options.cache_dir)
-    placement = placement_for(mesh, plan)
     backend = jax.default_backend()
     if backend == "tpu":
         logger.info("recir.lower_tpu: lowering to TPU, %s", placement.describe())

@@ -20,9 +20,13 @@ from ._registry import register_jax_lowering
 @register_jax_lowering("recir::embedding_bag")
 def recir_embedding_bag(weight, indices, offsets, per_sample_weights, mode: int):
     """Pooled lookup: ids map to bags by a sorted search over offsets[1:], then a segment sum."""
+    return pool_bags(jnp.take(weight, indices, axis=0), offsets, per_sample_weights, mode, indices.shape[0])
+
+
+def pool_bags(rows, offsets, per_sample_weights, mode: int, num_ids: int):
+    """Per-bag sum (mode 0) or mean (mode 1) of ``rows`` (one per id), bags given by ``offsets[B+1]``."""
     num_bags = offsets.shape[0] - 1
-    seg = jnp.searchsorted(offsets[1:], jnp.arange(indices.shape[0], dtype=offsets.dtype), side="right")
-    rows = jnp.take(weight, indices, axis=0)
+    seg = jnp.searchsorted(offsets[1:], jnp.arange(num_ids, dtype=offsets.dtype), side="right")
     if per_sample_weights is not None:
         rows = rows * per_sample_weights[:, None].astype(rows.dtype)
     pooled = jax.ops.segment_sum(rows, seg, num_segments=num_bags, indices_are_sorted=True)

@@ -1,0 +1,85 @@
+"""The ``ring_shift`` embedding backend on the TPU path: lowerings of ``recir::ring_shift_*`` lookups.
+
+Row-sharded tables come from the plan; the mesh reaches the lowerings through a context that
+``TPUCompiledStep`` sets while JAX traces the step (ids travel a device ring, ``ring_shift_lookup``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax.numpy as jnp
+from recir.transforms import ConfigError
+
+from ._lowerings import pool_bags
+from ._registry import register_jax_lowering
+
+_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("recir_lower_tpu_ring_mesh", default=None)
+
+
+def row_sharded_tables(plan: Any) -> dict[str, str]:
+    """State slot -> mesh axis of every slot the plan shards row-wise (``{}`` without a plan)."""
+    slots = getattr(plan, "slots", None) or {}
+    return {
+        name: str(sh.get("axis", "data"))
+        for name, sh in slots.items()
+        if sh.get("placement") == "shard" and sh.get("scheme") == "row_wise" and int(sh.get("dim", 0)) == 0
+    }
+
+
+@contextlib.contextmanager
+def ring_mesh(mesh: Any) -> Iterator[None]:
+    """Make ``mesh`` (a jax Mesh, or None) the one ``recir::ring_shift_*`` lowerings shard over."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def with_ring_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
+    """``fn`` traced with ``mesh`` as the ring mesh (what ``jax.jit`` wraps)."""
+
+    def traced(*args: Any) -> Any:
+        with ring_mesh(mesh):
+            return fn(*args)
+
+    traced.__name__ = getattr(fn, "__name__", "jax_step")
+    return traced
+
+
+def _lookup(weight: Any, ids: Any, axis: str) -> Any:
+    from recir.embedding import ring_shift_lookup
+
+    mesh = _MESH.get()
+    if mesh is None or axis not in mesh.shape:
+        raise ConfigError(
+            f"recir::ring_shift lookup over mesh axis {axis!r} has no mesh with that axis "
+            f"(mesh: {None if mesh is None else dict(mesh.shape)}). Fix: compile the step with its "
+            "row-wise plan: recir.lower_tpu.compile(step, plan, mesh=plan.mesh, embedding_backend='ring_shift')."
+        )
+    n = mesh.shape[axis]
+    if weight.shape[0] % n:
+        raise ConfigError(
+            f"recir::ring_shift: a table of {weight.shape[0]} rows does not split over the {n} devices of "
+            f"mesh axis {axis!r}. Fix: pad the table to a multiple of {n} rows."
+        )
+    count = ids.shape[0]
+    pad = (-count) % n
+    if pad:  # id -1 belongs to no shard: a zero row, dropped below
+        ids = jnp.concatenate([ids, jnp.full((pad,), -1, dtype=ids.dtype)])
+    return ring_shift_lookup(weight, ids, mesh, axis)[:count]
+
+
+@register_jax_lowering("recir::ring_shift_embedding_bag")
+def ring_shift_embedding_bag(weight, indices, offsets, per_sample_weights, mode: int, axis: str):
+    """Rows from the ring, then the same per-bag pooling as ``recir::embedding_bag``."""
+    return pool_bags(_lookup(weight, indices, axis), offsets, per_sample_weights, mode, indices.shape[0])
+
+
+@register_jax_lowering("recir::ring_shift_embedding")
+def ring_shift_embedding(weight, ids, axis: str):
+    return _lookup(weight, ids, axis)
