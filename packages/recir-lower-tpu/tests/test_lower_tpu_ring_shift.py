@@ -61,27 +61,28 @@ def _batch(k: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _setup(opt_name: str, tables: tuple[str, ...] = (), devices: int = 8):
+def _setup(opt_name: str, tables: tuple[str, ...] = (), axes: dict[str, int] | None = None):
     torch.manual_seed(0)
     model = _Bags()
     opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[opt_name]
     ref_model = copy.deepcopy(model)
     opt, ref_opt = opt_cls(model.parameters(), lr=0.1), opt_cls(ref_model.parameters(), lr=0.1)
     step = capture_train_step(model, opt, _loss, _batch(0), overrides=[EmbeddingBagOverride()])
-    plan = rd.plan(step, rd.row_wise(*tables), rd.Mesh(axes={"data": devices}), batch="global")
+    plan = rd.plan(step, rd.row_wise(*tables), rd.Mesh(axes=axes or {"data": 8}), batch="global")
     return model, opt, ref_model, ref_opt, step, plan
 
 
-def _check_parity(opt_name: str, devices: int, steps: int) -> None:
-    model, opt, ref_model, ref_opt, step, plan = _setup(opt_name, devices=devices)
-    # a jax Mesh over the first `devices` devices (a 1-device mesh also runs where JAX has 8)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
+def _check_parity(opt_name: str, axes: dict[str, int], steps: int) -> None:
+    model, opt, ref_model, ref_opt, step, plan = _setup(opt_name, axes=axes)
+    # a jax Mesh over the first devices (a 1-device mesh also runs where JAX has 8)
+    devices = int(np.prod(list(axes.values())))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(tuple(axes.values())), tuple(axes))
     compiled = compile(step, plan, mesh=mesh, embedding_backend="ring_shift")
     ops = {str(n.target) for n in compiled.step.graph.nodes if n.op == "call_function"}
     assert "recir.ring_shift_embedding_bag.default" in ops and "recir.embedding_bag.default" not in ops
     state = compiled.init_state(model, opt)
     if devices > 1:  # param:a.weight lives row-sharded; ids and partial rows really travel the ring
-        assert tuple(state[0].sharding.spec) == ("data",)
+        assert tuple(state[0].sharding.spec) == ("model" if "model" in axes else "data",)
         assert "collective_permute" in compiled.lower().as_text()
     for k in range(steps):
         bt = _batch(k)
@@ -103,13 +104,17 @@ def _check_parity(opt_name: str, devices: int, steps: int) -> None:
 
 @pytest.mark.tpu
 @_EIGHT
-@pytest.mark.parametrize("opt_name", ["sgd", "adagrad"])
-def test_ring_shift_trains_like_torch_optim(opt_name: str) -> None:
-    _check_parity(opt_name, devices=8, steps=10)
+@pytest.mark.parametrize(
+    ("opt_name", "axes"),
+    [("sgd", {"data": 8}), ("adagrad", {"data": 8}), ("adagrad", {"data": 2, "model": 4})],
+    ids=["sgd-data8", "adagrad-data8", "adagrad-data2xmodel4"],
+)
+def test_ring_shift_trains_like_torch_optim(opt_name: str, axes: dict[str, int]) -> None:
+    _check_parity(opt_name, axes, steps=10)
 
 
 def test_ring_shift_on_a_one_device_mesh() -> None:
-    _check_parity("adagrad", devices=1, steps=3)
+    _check_parity("adagrad", {"data": 1}, steps=3)
 
 
 @pytest.mark.tpu
