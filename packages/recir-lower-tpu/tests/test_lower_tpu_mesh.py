@@ -75,6 +75,13 @@ def test_compile_with_a_sharding_plan_shards_state_and_matches_one_device():
     a = sharded.init_state(model, optimizer)
     b = single.init_state(model, optimizer)
     assert any(tuple(x.sharding.spec) == ("data",) for x in a), "FSDP shards some state over 'data'"
+    # The planner's recir.sharding on gradient nodes becomes GSPMD sharding constraints in the program.
+    annotated = [n for n in step.graph.nodes if sharded.placement.node_sharding(n) is not None]
+    assert annotated, "an FSDP plan shards some gradient"
+    text = sharded.lower().as_text()
+    constraints = text.count("sdy.sharding_constraint") + text.count("@Sharding")
+    assert constraints >= len(annotated), (constraints, len(annotated))
+    assert single.lower().as_text().count("sdy.sharding_constraint") == 0
     for i in range(3):
         a, (loss_a, *_) = sharded(a, case.make_batch(i))
         b, (loss_b, *_) = single(b, case.make_batch(i))

@@ -71,7 +71,9 @@ class TPUCompiledStep:
         self._env = recir_env()
         check_lowerings(step, self._env)
         self._jitted = jax.jit(
-            _ring_shift.with_ring_mesh(jax_step_fn(step, self._env, out_dtypes), placement.mesh),
+            _ring_shift.with_ring_mesh(
+                jax_step_fn(step, self._env, out_dtypes, placement.node_sharding), placement.mesh
+            ),
             donate_argnums=(0,) if options.donate_state else (),
             in_shardings=(self._state_shardings, self._batch_shardings),
             out_shardings=(self._state_shardings, None),

@@ -61,6 +61,11 @@ class Placement:
         del slot  # data-parallel batches will split along the mesh's data axis here
         return self._default()
 
+    def node_sharding(self, node: Any) -> Sharding | None:
+        """A sharding constraint for one graph node's value (plan-driven placements override this)."""
+        del node
+        return None
+
     def describe(self) -> str:
         if self.mesh is None:
             return f"1 device ({self.device})"

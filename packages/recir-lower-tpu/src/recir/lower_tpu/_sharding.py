@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import torch.fx as fx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
-from recir.transforms import BatchSlot, ConfigError, StateSlot
+from recir.transforms import SHARDING_KEY, BatchSlot, ConfigError, StateSlot
 
 from ._placement import Placement
 
@@ -62,6 +63,21 @@ class PlannedPlacement(Placement):
     def batch_sharding(self, slot: BatchSlot) -> Sharding:
         sh = self.plan.batch.get(slot.name, {})
         return NamedSharding(self.mesh, partition_spec(sh, tuple(slot.shape), self._axes))
+
+    def node_sharding(self, node: fx.Node) -> NamedSharding | None:
+        """The sharding constraint for an annotated node's value, or None to leave it to GSPMD.
+
+        Gradient nodes carry their parameter's placement (``recir.sharding`` with ``role: gradient``):
+        constraining them makes GSPMD reduce-scatter a sharded parameter's gradient instead of
+        all-reducing it and slicing afterwards. Lookups (``role: lookup``) describe the table, not the
+        looked-up rows, so they get no constraint.
+        """
+        sh = node.meta.get(SHARDING_KEY)
+        val = node.meta.get("val")
+        if not isinstance(sh, Mapping) or sh.get("role") != "gradient" or not hasattr(val, "shape"):
+            return None
+        spec = partition_spec(sh, tuple(val.shape), self._axes)
+        return NamedSharding(self.mesh, spec) if spec != PartitionSpec() else None
 
     def describe(self) -> str:
         return f"mesh {self._axes} over {len(self.devices)} devices, sharded by plan {self.plan.mode}"

@@ -105,9 +105,13 @@ def check_lowerings(step: StepGraph, env: Environment) -> None:
 class _JaxTracer(fx.Interpreter):
     """Runs the graph on torchax tensors; errors are re-raised as LoweringError naming the node."""
 
-    def __init__(self, gm: fx.GraphModule, env: Environment):
+    def __init__(
+        self, gm: fx.GraphModule, env: Environment, constrain: Callable[[fx.Node], Any] | None = None
+    ):
         super().__init__(gm)
-        self.env = env
+        # Not ``self.env``: fx.Interpreter.run() rebinds that name to its node -> value dict.
+        self.tx_env = env
+        self.constrain = constrain
         self.extra_traceback = False  # our LoweringError already names the node and its window
 
     def run_node(self, n: fx.Node) -> Any:
@@ -129,12 +133,16 @@ class _JaxTracer(fx.Interpreter):
         except Exception as e:
             raise lowering_error(n, f"failed to lower: {type(e).__name__}: {e}") from e
         _check_shapes(n, out)
+        sharding = self.constrain(n) if self.constrain is not None else None
+        if sharding is not None and isinstance(out, torch.Tensor):
+            # recir.sharding on the node (set by recir.distributed's planner) becomes a GSPMD constraint.
+            out = self.tx_env.j2t_iso(jax.lax.with_sharding_constraint(self.tx_env.t2j_iso(out), sharding))
         return out
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         value = super().get_attr(target, args, kwargs)
         if isinstance(value, torch.Tensor) and not hasattr(value, "_env"):
-            return self.env.to_xla(value)
+            return self.tx_env.to_xla(value)
         return value
 
 
@@ -155,9 +163,15 @@ def _check_shapes(node: fx.Node, out: Any) -> None:
 
 
 def jax_step_fn(
-    step: StepGraph, env: Environment, out_dtypes: Sequence[Any]
+    step: StepGraph,
+    env: Environment,
+    out_dtypes: Sequence[Any],
+    constrain: Callable[[fx.Node], Any] | None = None,
 ) -> Callable[[list[jax.Array], list[jax.Array]], tuple[list[jax.Array], list[jax.Array]]]:
-    """``(state, batch) -> (new_state, outputs)`` over JAX arrays, the graph traced through torchax."""
+    """``(state, batch) -> (new_state, outputs)`` over JAX arrays, the graph traced through torchax.
+
+    ``constrain(node)`` may return a sharding for the node's value (``jax.lax.with_sharding_constraint``).
+    """
     gm = step.graph_module
     n_state = len(step.signature.state)
 
@@ -166,7 +180,7 @@ def jax_step_fn(
         with env, warnings.catch_warnings():
             # Without x64, 64-bit graph values are 32-bit by design (TPUOptions.x64); JAX warns each time.
             warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
-            out = _JaxTracer(gm, env).run(*args)
+            out = _JaxTracer(gm, env, constrain).run(*args)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         jflat = [jnp.asarray(x) for x in env.t2j_iso(flat)]
         # Each output keeps its slot's dtype: a donated state buffer is reused only when dtypes agree.
