@@ -20,14 +20,15 @@ class TrainOptions:
     batch_size: int = 16
     num_workers: int = 0
     num_train_batches: int = 400
-    embedding_dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    uih_len: int = 32
-    num_candidates: int = 4
-    hash_size: int = 1000
-    input_dropout: float = 0.2
-    layer_dropout: float = 0.1
+    # Model sizes default to ModelConfig's (one source of truth for the defaults).
+    embedding_dim: int = ModelConfig.embedding_dim
+    num_layers: int = ModelConfig.num_layers
+    num_heads: int = ModelConfig.num_heads
+    uih_len: int = ModelConfig.uih_len
+    num_candidates: int = ModelConfig.num_candidates
+    hash_size: int = ModelConfig.hash_size
+    input_dropout: float = ModelConfig.input_dropout
+    layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
     log_every: int = 50
     seed: int = 0

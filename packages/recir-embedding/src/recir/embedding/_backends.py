@@ -86,13 +86,7 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
                 "embedding backend 'ring_shift' is the TPU path (JAX/Pallas over row-sharded tables); "
                 f"target is {target!r}. Fix: use 'fbgemm', 'torchrec' or 'in_graph' on GPU."
             )
-        try:
-            import jax  # noqa: F401
-        except ImportError as e:
-            raise ImportError(
-                "the 'ring_shift' embedding backend needs JAX: install the recir-lower-tpu dependencies "
-                "(jax, torchax)"
-            ) from e
+        _ring_shift._jax()  # a clear ImportError when JAX is missing
         if not row_sharded:
             raise ConfigError(
                 "embedding backend 'ring_shift' needs row-wise sharded tables on a mesh, and none were given "
