@@ -9,7 +9,6 @@ from collections.abc import Callable
 import torch
 from recir.transforms import (
     OVERRIDE_KEY,
-    PHASE_KEY,
     BatchSlot,
     OutputSlot,
     Signature,
@@ -17,22 +16,7 @@ from recir.transforms import (
     StepGraph,
     override_for_op,
 )
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-
-_CURRENT = ["forward"]
-
-
-def _tag(graph: torch.fx.Graph, phase: str) -> None:
-    for node in graph.nodes:
-        if node.op == "call_function" and PHASE_KEY not in node.meta:
-            node.meta[PHASE_KEY] = phase
-
-
-def mark_phase(phase: str) -> None:
-    mode = get_proxy_mode()
-    if mode is not None:
-        _tag(mode.tracer.graph, _CURRENT[0])
-        _CURRENT[0] = phase
+from recir.transforms.testing import mark_phase, trace_with_phases
 
 
 def adam(params, grads, ms, vs, step, lr=0.05, b1=0.9, b2=0.99, eps=1e-8):  # noqa: ANN001, ANN201
@@ -59,9 +43,7 @@ def trace(fn: Callable, state: dict, batch: dict, n_params: int, output_names: l
         new_state, outputs, grads = fn(list(args[:n]), list(args[n:]))
         return (*new_state, *outputs, *grads)
 
-    _CURRENT[0] = "forward"
-    gm = make_fx(flat, tracing_mode="fake")(*sv, *bv)
-    _tag(gm.graph, _CURRENT[0])
+    gm = trace_with_phases(flat, *sv, *bv)
     for node in gm.graph.nodes:
         target = node.target
         if isinstance(target, torch._ops.OpOverload) and target.namespace == "recir":

@@ -9,24 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from recir.transforms import PHASE_KEY, BatchSlot, OutputSlot, Signature, StateSlot, StepGraph
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-
-_CURRENT = ["forward"]
-
-
-def _tag_untagged(graph: torch.fx.Graph, phase: str) -> None:
-    for node in graph.nodes:
-        if node.op == "call_function" and PHASE_KEY not in node.meta:
-            node.meta[PHASE_KEY] = phase
-
-
-def mark_phase(phase: str) -> None:
-    """Inside a traced step: every node created from here on belongs to ``phase``."""
-    mode = get_proxy_mode()
-    if mode is not None:
-        _tag_untagged(mode.tracer.graph, _CURRENT[0])
-        _CURRENT[0] = phase
+from recir.transforms import BatchSlot, OutputSlot, Signature, StateSlot, StepGraph
+from recir.transforms.testing import mark_phase as mark_phase
+from recir.transforms.testing import trace_with_phases
 
 
 def _sanitize(name: str) -> str:
@@ -53,9 +38,7 @@ def trace_step(
         new_state, outputs = fn(list(args[:n_state]), list(args[n_state:]))
         return (*new_state, *outputs)
 
-    _CURRENT[0] = "forward"
-    gm = make_fx(flat, tracing_mode="symbolic" if dynamic else "fake")(*state_vals, *batch_vals)
-    _tag_untagged(gm.graph, _CURRENT[0])
+    gm = trace_with_phases(flat, *state_vals, *batch_vals, tracing_mode="symbolic" if dynamic else "fake")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, [*state, *batch]):
         node._rename(_sanitize(name))

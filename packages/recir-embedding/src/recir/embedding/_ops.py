@@ -144,7 +144,7 @@ def fbgemm_embedding_bag(
 
 
 @fbgemm_embedding_bag.register_fake
-def _fbgemm_bag_fake(weight, indices, offsets, per_sample_weights, mode):
+def _bag_fake(weight, indices, offsets, per_sample_weights, mode):
     return weight.new_empty(offsets.shape[0] - 1, weight.shape[1])
 
 
@@ -156,9 +156,7 @@ def fbgemm_embedding(weight: Tensor, ids: Tensor) -> Tensor:
     return out.view(ids.shape[0], weight.shape[1]).to(weight.dtype)
 
 
-@fbgemm_embedding.register_fake
-def _fbgemm_emb_fake(weight, ids):
-    return weight.new_empty(ids.shape[0], weight.shape[1])
+fbgemm_embedding.register_fake(_embedding_fake)
 
 
 @torch.library.custom_op("recir::torchrec_embedding_bag", mutates_args=())
@@ -176,9 +174,7 @@ def torchrec_embedding_bag(
     )
 
 
-@torchrec_embedding_bag.register_fake
-def _torchrec_bag_fake(weight, indices, offsets, per_sample_weights, mode):
-    return weight.new_empty(offsets.shape[0] - 1, weight.shape[1])
+torchrec_embedding_bag.register_fake(_bag_fake)
 
 
 @torch.library.custom_op("recir::torchrec_embedding", mutates_args=())
@@ -187,9 +183,7 @@ def torchrec_embedding(weight: Tensor, ids: Tensor) -> Tensor:
     return F.embedding(ids, weight)
 
 
-@torchrec_embedding.register_fake
-def _torchrec_emb_fake(weight, ids):
-    return weight.new_empty(ids.shape[0], weight.shape[1])
+torchrec_embedding.register_fake(_embedding_fake)
 
 
 for _op in ("fbgemm_embedding_bag", "fbgemm_embedding"):
