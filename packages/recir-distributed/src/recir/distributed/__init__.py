@@ -29,6 +29,7 @@ from ._planner import annotate as annotate
 from ._planner import check_budget as check_budget
 from ._planner import plan as plan
 from ._transforms.allreduce_grads import AllReduceGradients as AllReduceGradients
+from ._transforms.fold_rng_rank import FoldRngRank as FoldRngRank
 from ._transforms.shard_params import ShardParameters as ShardParameters
 from ._transforms.shard_tables import ShardTables as ShardTables
 
@@ -66,6 +67,7 @@ __all__ = [
     "saved_plan",
     # transforms
     "AllReduceGradients",
+    "FoldRngRank",
     "ShardParameters",
     "ShardTables",
     # errors

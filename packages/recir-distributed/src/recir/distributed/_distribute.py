@@ -14,6 +14,7 @@ from torch import nn
 from ._plan import ShardingPlan, shard_range
 from ._rewrite import C10D, COLLECTIVES
 from ._transforms.allreduce_grads import AllReduceGradients
+from ._transforms.fold_rng_rank import FoldRngRank, data_index
 from ._transforms.shard_params import ShardParameters
 from ._transforms.shard_tables import ShardTables
 
@@ -30,6 +31,8 @@ def distribute_pipeline(plan: ShardingPlan, rank: int) -> Pipeline:
             ShardParameters(plan=plan, rank=rank),
             # Every remaining replicated parameter averages its gradient (and the loss is averaged).
             AllReduceGradients(plan=plan, rank=rank),
+            # Each data-parallel rank draws its own random stream (dropout masks differ per batch slice).
+            FoldRngRank(plan=plan, rank=rank),
         ],
         name="recir-distribute",
     )
@@ -64,8 +67,24 @@ class _ShardInitializer:
         for init in (*self.chain, param_buffer_initializer):
             value = init(full_slot, model, optimizer)
             if value is not None:
+                if full_slot.kind == "rng" and isinstance(value, torch.Tensor):
+                    value = _same_on_every_rank(value, self.plan)
                 return shard_tensor(self.plan, slot.name, value, self.rank)
         return None
+
+
+def _same_on_every_rank(value: torch.Tensor, plan: ShardingPlan) -> torch.Tensor:
+    """Rank 0's value of an ``rng:*`` slot (drawn from each process's global generator) on every rank, so the
+    stored rng state is rank-independent even when the ranks seeded torch differently."""
+    import torch.distributed as dist
+
+    if plan.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return value
+    if dist.get_world_size() != plan.world_size:
+        return value
+    out = value.detach().clone().contiguous()
+    dist.broadcast(out, src=0)
+    return out
 
 
 def shard_tensor(plan: ShardingPlan, slot: str, full: torch.Tensor, rank: int) -> torch.Tensor:
@@ -131,13 +150,22 @@ def reshard(
 
 
 def split_batch(plan: ShardingPlan, batch: Any, rank: int) -> Any:
-    """Device ``rank``'s slice (dim 0) of a global batch of dense tensors; jagged ids need their own split."""
+    """Device ``rank``'s contiguous slice (dim 0) of a global batch, by its data-axis coordinate.
+
+    Dense tensors are sliced; 0-d tensors and non-tensors are kept. Any object with a callable
+    ``split_samples(parts, index)`` (e.g. ``recir.embedding.JaggedBatch``) is one leaf and splits itself
+    (same static capacities on every device).
+    """
     import torch.utils._pytree as pytree
 
     d = plan.mesh.data_size
-    leaves, spec = pytree.tree_flatten(batch)
+    index = data_index(plan, rank)
+    leaves, spec = pytree.tree_flatten(batch, is_leaf=_splits_itself)
     out = []
     for leaf in leaves:
+        if _splits_itself(leaf):
+            out.append(leaf.split_samples(d, index))
+            continue
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             out.append(leaf)
             continue
@@ -148,8 +176,12 @@ def split_batch(plan: ShardingPlan, batch: Any, rank: int) -> Any:
                 f"(e.g. {leaf.shape[0] // d * d or d} or {(leaf.shape[0] // d + 1) * d})."
             )
         n = leaf.shape[0] // d
-        out.append(leaf[rank * n : (rank + 1) * n])
+        out.append(leaf[index * n : (index + 1) * n])
     return pytree.tree_unflatten(out, spec)
+
+
+def _splits_itself(x: object) -> bool:
+    return not isinstance(x, torch.Tensor) and callable(getattr(x, "split_samples", None))
 
 
 def communication_bytes(step: StepGraph) -> dict[str, int]:
