@@ -2,7 +2,8 @@
 
 `Sample` is one user request (jagged numpy arrays); `collate` pads/truncates a list of them to a
 `Batch` whose every tensor has a static shape (UIH padded to `uih_len`, candidates to
-`num_candidates`, padding id 0) and carries the true lengths as tensors.
+`num_candidates`, padding id 0) and carries the true lengths as tensors, plus the per-sample loss
+normaliser that makes a data-parallel slice's loss its share of the global batch's loss.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ class Sample:
 @dataclass
 class Batch:
     """Static-shaped batch. `features` is a KJT whose keys are `DatasetSpec.features`; every UIH key
-    has `uih_len` values per sample, the candidate key `num_candidates`, contextual keys 1 each."""
+    has `uih_len` values per sample, the candidate key `num_candidates`, contextual keys 1 each.
+
+    Two fields describe the GLOBAL batch that this one may be a data-parallel slice of, so that D even
+    slices' averaged gradients equal the global batch's gradient however lengths fall between them:
+    `loss_norm[i]` is (real candidates of the global batch) / (global batch size), so `loss_norm.sum()`
+    is the global count on the whole batch and its 1/D share on a slice (the loss divides by it);
+    `max_seq_len[i]` is the global batch's longest token sequence (contextual + UIH + candidates),
+    which scales the attention."""
 
     features: KeyedJaggedTensor
     uih_lengths: torch.Tensor  # [B] int64, <= uih_len
@@ -44,6 +52,8 @@ class Batch:
     uih_timestamps: torch.Tensor  # [B, L] int64 seconds (0 where padded)
     uih_actions: torch.Tensor  # [B, L] int64 action bitmasks
     cand_actions: torch.Tensor  # [B, C] int64 action bitmasks (the labels)
+    loss_norm: torch.Tensor  # [B] float32, the same value for every sample (see above)
+    max_seq_len: torch.Tensor  # [B] int64, the same value for every sample (see above)
 
     @property
     def batch_size(self) -> int:
@@ -114,17 +124,33 @@ def _fit(values: np.ndarray, size: int, keep_last: bool) -> tuple[np.ndarray, in
     return out, n
 
 
+def _global_norms(
+    samples: Sequence[Sample], n_ctx: int, uih_len: int, num_candidates: int
+) -> tuple[float, int]:
+    """(`loss_norm`, `max_seq_len`) of the global batch `samples`: its real candidates after truncation
+    (at least 1) per sample, and its longest sequence after truncation."""
+    cands = [min(int(np.asarray(s.cand_ids).size), num_candidates) for s in samples]
+    uihs = [min(int(np.asarray(s.uih_ids).size), uih_len) for s in samples]
+    longest = max((u + c for u, c in zip(uihs, cands)), default=0)
+    return max(sum(cands), 1) / max(len(samples), 1), n_ctx + longest
+
+
 def collate(
     samples: Sequence[Sample],
     spec: DatasetSpec,
     uih_len: int,
     num_candidates: int,
     rows: dict[str, int] | None = None,
+    global_samples: Sequence[Sample] | None = None,
 ) -> Batch:
     """Pads `samples` to static shapes: the most recent `uih_len` UIH events, the first
     `num_candidates` candidates; with `rows` (feature -> table rows) ids are hashed into
-    [1, rows) so that they never collide with the padding id 0."""
+    [1, rows) so that they never collide with the padding id 0. `global_samples`: the global batch
+    that `samples` is a data-parallel slice of (default `samples`): its candidate count normalises the
+    loss and its longest sequence the attention (`Batch.loss_norm`, `Batch.max_seq_len`)."""
     B = len(samples)
+    everyone = samples if global_samples is None else global_samples
+    norm, longest = _global_norms(everyone, len(spec.contextual), uih_len, num_candidates)
     uih: np.ndarray = np.zeros((B, uih_len), np.int64)
     ts: np.ndarray = np.zeros((B, uih_len), np.int64)
     act: np.ndarray = np.zeros((B, uih_len), np.int64)
@@ -171,4 +197,6 @@ def collate(
         uih_timestamps=torch.from_numpy(ts),
         uih_actions=torch.from_numpy(act),
         cand_actions=torch.from_numpy(cact),
+        loss_norm=torch.full((B,), norm, dtype=torch.float32),
+        max_seq_len=torch.full((B,), longest, dtype=torch.int64),
     )

@@ -47,9 +47,9 @@ class Data:
     def batches_per_epoch(self) -> int:
         return max(len(self.train) // self.batch_size, 1)
 
-    def _collate(self, samples: Sequence[Sample]) -> Batch:
+    def _collate(self, samples: Sequence[Sample], global_samples: Sequence[Sample] | None = None) -> Batch:
         cfg = self.config
-        return collate(samples, self.spec, cfg.uih_len, cfg.num_candidates, self.rows)
+        return collate(samples, self.spec, cfg.uih_len, cfg.num_candidates, self.rows, global_samples)
 
     def train_indices(self, step: int) -> list[int]:
         """Sample indices of global train step `step` (epoch-wise permutation when shuffling)."""

@@ -141,7 +141,7 @@ class DLRMv3(nn.Module):
         valid = valid_tokens(n_ctx, L, lengths, ncand, C)
         x = F.dropout(x, cfg.input_dropout, self.training) * valid[..., None].to(x.dtype)
         mask = attention_mask(valid, token_order(n_ctx, L, C))
-        max_len = (n_ctx + lengths + ncand).max()
+        max_len = batch.max_seq_len.max()  # the global batch's longest sequence (see Batch)
         for layer in self.layers:
             x = layer(x, mask, max_len)
 
@@ -160,16 +160,22 @@ class DLRMv3(nn.Module):
         return labels, weights.float()
 
 
-def multitask_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per task: BCE-with-logits averaged over real candidates, times 0.2; summed over tasks."""
+def multitask_loss(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per task: BCE-with-logits summed over real candidates, divided by their count, times 0.2; summed
+    over tasks. `norm` (a batch's `loss_norm`) replaces the count by its sum: the global batch's count
+    on the whole batch, its share on a data-parallel slice (so the ranks' mean is the global loss)."""
     bce = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
     w = weights[..., None].to(logits.dtype)
-    per_task = (bce * w).sum(dim=(0, 1)) / torch.clamp(w.sum(dim=(0, 1)), min=1.0)
+    # collate keeps every loss_norm sum positive (at least 1 over the data-parallel size)
+    count = torch.clamp(w.sum(dim=(0, 1)), min=1.0) if norm is None else norm.to(logits.dtype).sum()
+    per_task = (bce * w).sum(dim=(0, 1)) / count
     return (per_task * TASK_LOSS_WEIGHT).sum()
 
 
 def loss_fn(model: DLRMv3, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The train-step loss for capture: `(loss, logits)`."""
+    """The train-step loss for capture: `(loss, logits)`, normalised by `batch.loss_norm`."""
     logits = model(batch)
     labels, weights = model.labels(batch)
-    return multitask_loss(logits, labels, weights), logits
+    return multitask_loss(logits, labels, weights, batch.loss_norm), logits
