@@ -140,3 +140,55 @@ def test_jagged_tensor_mapping():
     assert jts["f2"].values().tolist() == [3, 4, 4] and jts["f2"].lengths().tolist() == [1, 2]
     back = JaggedBatch.from_jagged_tensors(jts, {"f1": 2, "f2": 4, "f3": 1})
     assert back.capacities == (2, 4, 1) and back.to_kjt().values().tolist() == k.values().tolist()
+
+
+def _per_sample(jb):
+    """``{feature: [ids of sample 0], [ids of sample 1], ...}`` (padding stripped), plus weights."""
+    out = {}
+    for key, jt in jb.to_jagged_tensors().items():
+        w = jt.weights_or_none()
+        out[key] = [
+            (ids.tolist(), None if w is None else w[o : o + len(ids)].tolist())
+            for ids, o in zip(jt.to_dense(), jt.offsets()[:-1].tolist())
+        ]
+    return out
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_split_samples_round_trips_with_static_shapes(weighted):
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 4, (3 * 6,), generator=gen)
+    n = int(lengths.sum())
+    k = KeyedJaggedTensor(
+        keys=["f1", "f2", "f3"],
+        values=torch.randint(0, 10, (n,), generator=gen),
+        lengths=lengths,
+        weights=torch.rand(n, generator=gen) if weighted else None,
+    )
+    jb = JaggedBatch.from_kjt(k, [16, 16, 16])
+    whole = _per_sample(jb)
+    parts = [jb.split_samples(3, i) for i in range(3)]
+    for p in parts:
+        assert p.batch_size == 2 and p.capacities == jb.capacities
+        assert pytree.tree_flatten(p)[0][0].shape == jb.values().shape
+        assert (p.weights_or_none() is not None) == weighted
+        validate_batch(p, TABLES[:1] + [EmbeddingTable("t3", 10, 2, ("f3",))])
+    split = [_per_sample(p) for p in parts]
+    for key in whole:
+        assert sum((s[key] for s in split), []) == whole[key], key
+    # ids compacted to the front; padding repeats the part's first id of the feature (or 0 when empty)
+    for p in parts:
+        for key, real in zip(p.keys(), p.num_ids()):
+            ids, _ = p.segment(key)
+            assert ids[real:].tolist() == [ids[0].item() if real else 0] * (16 - real)
+
+
+def test_split_samples_errors():
+    jb = JaggedBatch.from_kjt(kjt([1, 2, 3, 4, 4, 0], [2, 0, 1, 2, 0, 1]), [4, 4, 2])  # B=2
+    with pytest.raises(DataError, match="batch size 2 does not split into 3 equal parts"):
+        jb.split_samples(3, 0)
+    with pytest.raises(DataError, match="part 2 is outside 0..1"):
+        jb.split_samples(2, 2)
+    with pytest.raises(DataError, match="positive int"):
+        jb.split_samples(0, 0)
+    assert jb.split_samples(1, 0).values().tolist() == jb.values().tolist()

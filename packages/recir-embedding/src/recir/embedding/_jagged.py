@@ -101,6 +101,45 @@ class JaggedBatch:
         """Real ids per feature (reads the lengths; eager only)."""
         return self.lengths_.view(len(self.keys_), self.batch_size).sum(1).tolist()
 
+    def split_samples(self, parts: int, index: int, *, padding_id: int = 0) -> JaggedBatch:
+        """Samples ``[index * B / parts, (index + 1) * B / parts)`` of every feature (eager only).
+
+        Each feature keeps its capacity (every part has the same static shapes), its ids compacted to
+        the front of the slot and padded like :meth:`from_kjt` (the part's first id of the feature, or
+        ``padding_id`` when it has none; weights padded with 0). Data-parallel batch splitting calls it.
+        """
+        b = self.batch_size
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise DataError(f"JaggedBatch.split_samples: parts must be a positive int, got {parts!r}")
+        if b % parts:
+            lo = b // parts * parts
+            raise DataError(
+                f"JaggedBatch.split_samples: batch size {b} does not split into {parts} equal parts. "
+                f"Fix: use a batch size that is a multiple of {parts} (e.g. {lo or parts} or {lo + parts})."
+            )
+        if not 0 <= index < parts:
+            raise DataError(f"JaggedBatch.split_samples: part {index} is outside 0..{parts - 1}")
+        n = b // parts
+        k = len(self.keys_)
+        per_key = self.lengths_.view(k, b)
+        lengths = per_key[:, index * n : (index + 1) * n]
+        before = per_key[:, : index * n].sum(1).tolist()
+        counts = lengths.sum(1).tolist()
+        segs, wsegs = [], []
+        for i, (start, cap) in enumerate(zip(self.starts(), self.capacities)):
+            lo, cnt = start + int(before[i]), int(counts[i])
+            seg = self.values_[lo : lo + cnt]
+            fill = seg[:1] if cnt else self.values_.new_tensor([padding_id])
+            segs.append(torch.cat([seg, fill.expand(cap - cnt)]))
+            if self.weights_ is not None:
+                w = self.weights_[lo : lo + cnt]
+                wsegs.append(torch.cat([w, w.new_zeros(cap - cnt)]))
+        values = torch.cat(segs) if segs else self.values_[:0].clone()
+        weights = None
+        if self.weights_ is not None:
+            weights = torch.cat(wsegs) if wsegs else self.weights_[:0].clone()
+        return JaggedBatch(self.keys_, values, lengths.reshape(-1).clone(), n, self.capacities, weights)
+
     # -- conversion -------------------------------------------------------------------------------
     @classmethod
     def from_kjt(
