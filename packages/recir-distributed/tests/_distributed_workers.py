@@ -42,6 +42,10 @@ def train_and_compare_all(rank: int, world: int, cases: list[tuple[str, list[Any
     for kind, modes, steps in cases:
         if kind == "captured":
             captured_train_and_compare(rank, world, modes, steps)
+        elif kind == "torchrec":
+            from _distributed_rng_workers import torchrec_split_train_and_compare
+
+            torchrec_split_train_and_compare(rank, world, modes, steps)
         else:
             train_and_compare(rank, world, kind, modes, steps)
 

@@ -150,3 +150,27 @@ def test_batch_and_scheme_errors(emb):
     assert part["x"].tolist() == [[4.0, 5.0], [6.0, 7.0]]
     with pytest.raises(ConfigError, match="unknown parallel mode 'pipeline'"):
         rd.plan(emb, "pipeline", mesh)
+
+
+def test_split_batch_splits_jagged_batches_by_data_coordinate():
+    import torch
+    from recir.embedding import JaggedBatch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"], values=torch.arange(9), lengths=torch.tensor([1, 2, 0, 1, 2, 0, 3, 0])
+    )  # B=4: a = [0] [1 2] [] [3], b = [4 5] [] [6 7 8] []
+    batch = {"f": JaggedBatch.from_kjt(kjt, [6, 6]), "x": torch.arange(4.0), "t": torch.tensor(1.0)}
+    step = mlp_step(2)
+    # a 2 x 2 mesh: ranks 2 and 3 sit at data coordinate 1 and take the second half
+    plan = rd.plan(step, rd.DataParallel(), rd.Mesh(axes={"data": 2, "model": 2}))
+    for rank, want_a, want_b in [(0, [[0], [1, 2]], [[4, 5], []]), (3, [[], [3]], [[6, 7, 8], []])]:
+        part = rd.split_batch(plan, batch, rank)
+        f = part["f"]
+        assert f.batch_size == 2 and f.capacities == (6, 6) and part["t"] is batch["t"]
+        assert [t.tolist() for t in f.to_jagged_tensors()["a"].to_dense()] == want_a
+        assert [t.tolist() for t in f.to_jagged_tensors()["b"].to_dense()] == want_b
+        assert part["x"].tolist() == ([0.0, 1.0] if rank == 0 else [2.0, 3.0])
+    odd = rd.plan(step, rd.DataParallel(), rd.Mesh(axes={"data": 3}))
+    with pytest.raises(DataError, match="batch size 4 does not split into 3 equal parts"):
+        rd.split_batch(odd, {"f": batch["f"]}, 0)

@@ -25,6 +25,8 @@ def test_two_ranks_train_like_one_process():
             ("seq", ["table_wise", "row_wise", "column_wise"], 10),
             # recir.capture of an nn.Module with two nn.EmbeddingBag tables and torch.optim.Adam
             ("captured", ["data_parallel", "fsdp", "row_wise"], 10),
+            # a TorchRec EmbeddingBagCollection fed global JaggedBatches split by rd.split_batch
+            ("torchrec", ["data_parallel", "row_wise"], 3),
         ],
     )
 
