@@ -43,7 +43,7 @@ def train_and_compare_all(rank: int, world: int, cases: list[tuple[str, list[Any
         if kind == "captured":
             captured_train_and_compare(rank, world, modes, steps)
         elif kind == "torchrec":
-            from _distributed_rng_workers import torchrec_split_train_and_compare
+            from _distributed_dp_workers import torchrec_split_train_and_compare
 
             torchrec_split_train_and_compare(rank, world, modes, steps)
         else:

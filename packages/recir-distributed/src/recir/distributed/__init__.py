@@ -32,6 +32,7 @@ from ._transforms.allreduce_grads import AllReduceGradients as AllReduceGradient
 from ._transforms.fold_rng_rank import FoldRngRank as FoldRngRank
 from ._transforms.shard_params import ShardParameters as ShardParameters
 from ._transforms.shard_tables import ShardTables as ShardTables
+from ._transforms.sync_buffers import SyncBuffers as SyncBuffers
 
 __version__ = "0.1.0"
 
@@ -70,6 +71,7 @@ __all__ = [
     "FoldRngRank",
     "ShardParameters",
     "ShardTables",
+    "SyncBuffers",
     # errors
     "ConfigError",
     "DataError",

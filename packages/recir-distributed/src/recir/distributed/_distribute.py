@@ -17,6 +17,7 @@ from ._transforms.allreduce_grads import AllReduceGradients
 from ._transforms.fold_rng_rank import FoldRngRank, data_index
 from ._transforms.shard_params import ShardParameters
 from ._transforms.shard_tables import ShardTables
+from ._transforms.sync_buffers import SyncBuffers
 
 DISTRIBUTED_META = "recir.distributed"
 
@@ -31,6 +32,8 @@ def distribute_pipeline(plan: ShardingPlan, rank: int) -> Pipeline:
             ShardParameters(plan=plan, rank=rank),
             # Every remaining replicated parameter averages its gradient (and the loss is averaged).
             AllReduceGradients(plan=plan, rank=rank),
+            # Updated float buffers (BatchNorm running statistics) are averaged over the data group.
+            SyncBuffers(plan=plan, rank=rank),
             # Each data-parallel rank draws its own random stream (dropout masks differ per batch slice).
             FoldRngRank(plan=plan, rank=rank),
         ],

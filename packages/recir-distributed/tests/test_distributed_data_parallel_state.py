@@ -1,5 +1,7 @@
-"""Per-data-parallel-rank random streams (recir-dist-fold-rng-rank): dropout draws a different mask on
-every rank while the stored rng state, parameters and optimizer state stay identical across ranks.
+"""State that data-parallel ranks would otherwise get wrong: per-rank random streams
+(recir-dist-fold-rng-rank: dropout draws a different mask on every rank while the stored rng state,
+parameters and optimizer state stay identical across ranks) and BatchNorm running statistics
+(recir-dist-sync-buffers: averaged over the ranks after every step).
 """
 
 from __future__ import annotations
@@ -7,13 +9,14 @@ from __future__ import annotations
 import _distributed_models as M
 import recir.distributed as rd
 import torch
-from _distributed_rng_workers import run_checks
+from _distributed_dp_workers import run_checks
 from _distributed_workers import spawn
 from recir.distributed._transforms.fold_rng_rank import GOLDEN, folded_seed_delta
 
 
-def test_two_ranks_draw_independent_dropout_streams():
-    spawn(run_checks, 2, ["dropout_streams_differ", "dropout_zero_matches_one_process"])
+def test_two_ranks_draw_independent_dropout_streams_and_share_batchnorm_statistics():
+    checks = ["dropout_streams_differ", "dropout_zero_matches_one_process", "batchnorm_buffers_synchronised"]
+    spawn(run_checks, 2, checks)
 
 
 def test_fold_rng_rank_graph():
@@ -55,3 +58,27 @@ def test_fold_rng_rank_graph():
     )
     plain = M.mlp_step(4)
     assert not rd.FoldRngRank(plan=rd.plan(plain, "data_parallel", mesh), rank=1).run(plain).changed
+
+
+def test_sync_buffers_graph():
+    from recir.capture import capture_train_step
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = capture_train_step(model, opt, lambda m, b: m(b).sum(), torch.randn(2, 3))
+    plan = rd.plan(step, "data_parallel", rd.Mesh(axes={"data": 2}))
+    result = rd.SyncBuffers(plan=plan, rank=1)(step)
+    assert result.changed and result.stats == {"buffers": 2}
+    out = next(n for n in result.step.graph.nodes if n.op == "output")
+    names = [s.name for s in step.signature.state]
+    synced = {
+        name
+        for name, v in zip(names, out.args[0])
+        if v.target is torch.ops._c10d_functional.wait_tensor.default
+        and v.meta["recir.sharding"].get("role") == "buffer"
+    }
+    assert synced == {"buffer:1.running_mean", "buffer:1.running_var"}  # not num_batches_tracked
+    one = rd.plan(step, "data_parallel", rd.Mesh(axes={"data": 1}))
+    assert not rd.SyncBuffers(plan=one).run(step).changed

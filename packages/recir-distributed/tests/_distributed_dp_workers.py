@@ -93,6 +93,48 @@ def dropout_zero_matches_one_process(rank: int, world: int) -> None:
         assert torch.allclose(got.float(), want[name].float(), atol=2e-6, rtol=1e-5), name
 
 
+def batchnorm_buffers_synchronised(rank: int, world: int) -> None:
+    """BatchNorm1d on the input: per-rank batches differ, yet after each step both ranks hold the same
+    running statistics; running_mean equals one process's on the global batch, running_var is the mean
+    of the ranks' local (unbiased) variances; num_batches_tracked counts steps on every rank."""
+    import recir.distributed as rd
+    from recir.capture import capture_train_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    per_rank = [_dense_batch(4, 0, seed=1 + r) for r in range(world)]
+    step = capture_train_step(model, opt, _loss_and_pred, per_rank[rank])
+    gstep = capture_train_step(
+        model, opt, _loss_and_pred, {k: torch.cat([b[k] for b in per_rank]) for k in per_rank[0]}
+    )
+    mesh = rd.Mesh(axes={"data": world})
+    for mode in ["data_parallel", "fsdp"]:
+        plan = rd.plan(step, mode, mesh)
+        dstep = rd.distribute(step, plan, rank)
+        state = dstep.init_state(model, opt)
+        ref = gstep.init_state(model, opt)
+        want_var = gstep.state_dict(ref)["buffer:0.running_var"].clone()
+        for k in range(STEPS):
+            per_rank = [_dense_batch(4, k, seed=1 + r) for r in range(world)]
+            state, _ = dstep(state, per_rank[rank])
+            ref, _ = gstep(ref, {key: torch.cat([b[key] for b in per_rank]) for key in per_rank[0]})
+            local_var = torch.stack([b["x"].var(0, unbiased=True) for b in per_rank]).mean(0)
+            want_var = 0.9 * want_var + 0.1 * local_var
+            got = dstep.state_dict(state)
+            buffers = {n: t for n, t in got.items() if n.startswith("buffer:")}
+            _assert_same_on_all_ranks(buffers, f"{mode}, step {k}")
+            want = gstep.state_dict(ref)
+            assert torch.allclose(got["buffer:0.running_mean"], want["buffer:0.running_mean"], atol=1e-6), (
+                mode,
+                k,
+            )
+            assert torch.allclose(got["buffer:0.running_var"], want_var, atol=1e-6), (mode, k)
+            assert int(got["buffer:0.num_batches_tracked"]) == k + 1
+        # the average of local variances is not the global batch's variance
+        assert not torch.allclose(got["buffer:0.running_var"], want["buffer:0.running_var"], atol=1e-4)
+
+
 # -- a TorchRec EmbeddingBagCollection model fed JaggedBatches split by rd.split_batch ---------------------
 def _torchrec_model():  # noqa: ANN202
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
