@@ -44,12 +44,13 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 # Several candidates per sample: the ranks' halves of a global batch hold different candidate counts and
 # longest sequences, which the global normalisation (Batch.loss_norm / max_seq_len) must absorb.
-VARIED = dict(SMALL, num_candidates=4, num_train_batches=3, seed=1)  # seed 1: both differ in steps 1-2
+# Seed 1: they differ in steps 1 and 2. Checkpoints every 2 steps (a resume point and the final state).
+VARIED = dict(SMALL, num_candidates=4, seed=1, checkpoint_every=2)
 
 
 def run_rank_modes(rank: int, world: int, port: int, out: str, modes: list[str]) -> None:
-    """`train --target eager-graph --parallel MODE` for each mode in one process group, each run
-    checkpointing its final state under out/MODE; losses and log lines go to out/modes-rank{rank}.json."""
+    """`train --target eager-graph --parallel MODE` (VARIED) for each mode in one process group, each run
+    checkpointing under out/MODE; losses and log lines go to out/modes-rank{rank}.json."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -61,7 +62,6 @@ def run_rank_modes(rank: int, world: int, port: int, out: str, modes: list[str])
                 target="eager-graph",
                 parallel=mode,
                 checkpoint_dir=str(Path(out) / mode),
-                checkpoint_every=int(VARIED["num_train_batches"]),
                 **VARIED,  # type: ignore[arg-type]
             )
             found[mode] = {"losses": train(opts, log=lines.append).losses, "lines": lines}

@@ -4,10 +4,12 @@ running this rank's recir.distributed program, and the TPU path's global-batch p
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -76,6 +78,28 @@ def check_batch_split(batch_size: int, data_size: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def _compile_in_turn(dstep: Any) -> Iterator[None]:
+    """When every rank lowers the same program (data parallel), each machine's local rank 0 compiles
+    first and the others then read its artifacts from the shared compile cache, instead of every rank
+    compiling the same graph at once on the same cores. Different programs compile concurrently."""
+    import torch.distributed as dist
+
+    text = dstep.graph_module.code + repr([(s.name, s.shape, s.dtype) for s in dstep.signature.state])
+    key = hashlib.sha256(text.encode()).hexdigest()
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    if len(set(keys)) > 1:
+        yield
+        return
+    first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    if not first:
+        dist.barrier()  # until every machine's first rank has filled its cache
+    yield
+    if first:
+        dist.barrier()
+
+
 def local_batch(data: Data, step: int, rank: int, world: int) -> Batch:
     """Rank `rank`'s contiguous slice of global train step `step`'s samples (the global batch split),
     its loss normalised by the global batch's candidate count (`Batch.loss_norm`)."""
@@ -115,7 +139,8 @@ class DistributedTrainer:
         if target == "gpu":
             from recir.lower_gpu import compile as lower
 
-            self.program: Any = lower(self.dstep, self.plan, embedding_backend=embedding_backend)
+            with _compile_in_turn(self.dstep):
+                self.program: Any = lower(self.dstep, self.plan, embedding_backend=embedding_backend)
             where = "recir.lower_gpu.compile"
         else:
             self.program = self.dstep
