@@ -7,6 +7,8 @@ from ._cache import enable_compile_cache as enable_compile_cache
 from ._compile import TPUCompiledStep as TPUCompiledStep
 from ._compile import TPUOptions as TPUOptions
 from ._compile import compile as compile
+from ._multihost import initialize_distributed as initialize_distributed
+from ._multihost import sync_processes as sync_processes
 from ._registry import register_jax_lowering as register_jax_lowering
 from ._registry import registered_jax_lowerings as registered_jax_lowerings
 
@@ -17,6 +19,9 @@ __all__ = [
     "compile",
     "TPUCompiledStep",
     "TPUOptions",
+    # multi-process (multi-host) JAX
+    "initialize_distributed",
+    "sync_processes",
     # lowerings of ops
     "register_jax_lowering",
     "registered_jax_lowerings",

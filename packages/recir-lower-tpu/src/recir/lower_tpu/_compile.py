@@ -21,6 +21,7 @@ from torch import nn
 from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
 from ._cache import cache_hits, enable_compile_cache
 from ._convert import jax_dtype, to_jax, to_torch
+from ._multihost import gather_to_every_process
 from ._placement import Placement
 from ._sharding import placement_for
 from ._trace import check_lowerings, jax_step_fn, recir_env
@@ -70,13 +71,17 @@ class TPUCompiledStep:
             out_dtypes = [jax_dtype(s.dtype) for s in sig.state] + [jax_dtype(o.dtype) for o in sig.outputs]
         self._env = recir_env()
         check_lowerings(step, self._env)
+        # Several processes (multi-host): outputs come back replicated, so every process reads them
+        # from its own devices without another collective.
+        self._multiprocess = placement.mesh is not None and jax.process_count() > 1
+        out_sharding = placement.replicated() if self._multiprocess else None
         self._jitted = jax.jit(
             _ring_shift.with_ring_mesh(
                 jax_step_fn(step, self._env, out_dtypes, placement.node_sharding), placement.mesh
             ),
             donate_argnums=(0,) if options.donate_state else (),
             in_shardings=(self._state_shardings, self._batch_shardings),
-            out_shardings=(self._state_shardings, None),
+            out_shardings=(self._state_shardings, out_sharding),
         )
 
     # -- CompiledStep ---------------------------------------------------------------------------
@@ -97,7 +102,11 @@ class TPUCompiledStep:
         return self._put_state(self.step.load_state_dict(state_dict))
 
     def state_dict(self, state: Sequence[jax.Array]) -> dict[str, torch.Tensor]:
+        """Global host tensors by slot name (with several processes: a collective, call it in all)."""
         self._check_state(state)
+        if self._multiprocess:
+            with self._x64():
+                state = gather_to_every_process(list(state), self.placement.replicated())
         return {slot.name: to_torch(x, slot.dtype) for slot, x in zip(self.step.signature.state, state)}
 
     def __call__(self, state: Sequence[Any], batch: Any) -> tuple[list[jax.Array], Any]:
@@ -233,9 +242,14 @@ def compile(
         sparse_updates=options.sparse_updates,
         row_sharded=row_sharded if embedding_backend == "ring_shift" else None,
     )
-    if options.persistent_cache:
-        enable_compile_cache(options.cache_dir)
     backend = jax.default_backend()
+    if options.persistent_cache and backend == "cpu" and jax.process_count() > 1:
+        # Measured with jax 0.10.2: an executable that a CPU process loads from the persistent cache
+        # hangs in its first cross-process collective, so multi-process CPU jobs compile afresh.
+        jax.config.update("jax_enable_compilation_cache", False)
+        logger.info("recir.lower_tpu: persistent compile cache off (multi-process JAX on CPU)")
+    elif options.persistent_cache:
+        enable_compile_cache(options.cache_dir)
     if backend == "tpu":
         logger.info("recir.lower_tpu: lowering to TPU, %s", placement.describe())
     else:

@@ -11,6 +11,8 @@ import torch
 from jax.sharding import Sharding
 from torchax.ops.mappings import t2j_dtype
 
+from ._multihost import host_value
+
 
 def jax_dtype(dtype: torch.dtype) -> Any:
     """The JAX dtype a torch dtype becomes here (int64 -> int32 unless x64 is on)."""
@@ -34,8 +36,8 @@ def to_jax(t: torch.Tensor, sharding: Sharding) -> jax.Array:
 
 
 def to_torch(x: jax.Array, dtype: torch.dtype) -> torch.Tensor:
-    """A host torch tensor (a copy) with ``dtype`` from a JAX array."""
-    host = np.array(x)
+    """A host torch tensor (a copy) with ``dtype`` from a JAX array (gathered when it spans processes)."""
+    host = np.array(host_value(x))
     if host.dtype == jnp.bfloat16:
         return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16).to(dtype)
     return torch.from_numpy(host).to(dtype)

@@ -42,7 +42,7 @@ class Placement:
     def __init__(self, mesh: Any = None, plan: Any = None):
         self.plan = plan  # sharding plans come with the distribution issue; kept for then
         self.mesh = None if mesh is None else as_jax_mesh(mesh)
-        self.device = jax.devices()[0]
+        self.device = jax.local_devices()[0]  # this process's first device (all of them, single-process)
 
     @property
     def devices(self) -> list[Any]:
@@ -52,6 +52,10 @@ class Placement:
         if self.mesh is None:
             return SingleDeviceSharding(self.device)
         return NamedSharding(self.mesh, PartitionSpec())
+
+    def replicated(self) -> Sharding:
+        """Every device of the placement holds the whole value."""
+        return self._default()
 
     def state_sharding(self, slot: StateSlot) -> Sharding:
         del slot  # the plan's placement for this slot goes here
