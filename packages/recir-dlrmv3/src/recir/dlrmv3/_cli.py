@@ -96,6 +96,18 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--mesh", default=None, help="TPU path device mesh, e.g. data=8 or data=2,model=2 (--target tpu)"
     )
+    d.add_argument(
+        "--multihost",
+        action="store_true",
+        help="TPU path: join a multi-process JAX job (one process per host, jax.distributed); the "
+        "coordinator, process count and id come from the flags below, JAX_COORDINATOR_ADDRESS / "
+        "JAX_NUM_PROCESSES / JAX_PROCESS_ID, or JAX's cluster auto-detection (Cloud TPU, SLURM)",
+    )
+    d.add_argument(
+        "--coordinator", default=None, help="multi-host: process 0's HOST:PORT (implies --multihost)"
+    )
+    d.add_argument("--num_processes", type=int, default=None, help="multi-host: number of processes")
+    d.add_argument("--process_id", type=int, default=None, help="multi-host: this process's id, 0..N-1")
     r.add_argument("--tensorboard_dir", default=None, help="write TensorBoard scalars here")
     r.add_argument("--checkpoint_dir", default=None, help="write DCP checkpoints here")
     r.add_argument("--checkpoint_every", type=int, default=0, help="checkpoint every N steps (0: never)")

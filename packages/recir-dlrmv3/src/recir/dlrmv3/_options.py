@@ -44,6 +44,11 @@ class TrainOptions:
     num_threads: int = 0
     parallel: str = "none"
     mesh: str | None = None
+    # multi-process (multi-host) JAX on the TPU path: jax.distributed's coordinator, process count and id
+    multihost: bool = False
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -55,6 +60,12 @@ class TrainOptions:
             hash_size=self.hash_size,
             input_dropout=self.input_dropout,
             layer_dropout=self.layer_dropout,
+        )
+
+    def wants_multihost(self) -> bool:
+        """Whether this run joins a multi-process JAX job (any multi-host flag given)."""
+        return self.multihost or any(
+            v is not None for v in (self.coordinator, self.num_processes, self.process_id)
         )
 
     def check(self) -> None:
@@ -75,5 +86,15 @@ class TrainOptions:
                 f"--mesh is the TPU path's flag (got --target {self.target}). Fix: --target tpu --mesh "
                 "data=N, or on the GPU path launch N processes with torchrun --nproc-per-node N --parallel dp."
             )
+        if self.wants_multihost():
+            if self.target != "tpu" or self.mesh is None:
+                raise ConfigError(
+                    "--multihost / --coordinator / --num_processes / --process_id join a multi-process JAX "
+                    f"job on the TPU path (got --target {self.target}, --mesh {self.mesh}). Fix: add "
+                    "--target tpu --mesh data=N, N the devices of all processes together; on the GPU path "
+                    "use torchrun instead."
+                )
+            if self.num_processes is not None and self.num_processes < 1:
+                raise ConfigError(f"--num_processes must be >= 1, got {self.num_processes}")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ConfigError("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from recir.transforms import ConfigError, DataError
 
-from ._batch import Batch
+from ._batch import Batch, PaddingStats
 from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._data import Data, make_data, train_batches
 from ._metrics import MetricAccumulator
@@ -100,13 +100,20 @@ def _resume(opts: TrainOptions) -> tuple[Path, int] | None:
 
 
 def _setup_parallel(opts: TrainOptions) -> tuple[int, int, Any]:
-    """(rank, data-parallel size, TPU mesh or None); starts the process group for --parallel on the GPU path."""
+    """(rank, data-parallel size, TPU mesh or None): starts the process group for --parallel on the GPU
+    path, or joins the multi-process JAX job (rank = JAX process index, the batch stays global)."""
     if opts.target == "tpu" and opts.mesh is not None:
         from ._parallel import parse_mesh
 
+        process = 0
+        if opts.wants_multihost():  # before anything touches JAX's devices
+            from recir.lower_tpu import initialize_distributed
+
+            process, _ = initialize_distributed(opts.coordinator, opts.num_processes, opts.process_id)
         mesh = parse_mesh(opts.mesh)
         check_batch_split(opts.batch_size, mesh.data_size)
-        return 0, 1, mesh
+        # every process feeds the global batch; each transfers only its own devices' shards
+        return process, 1, mesh
     if opts.parallel == "none" or opts.target not in ("gpu", "eager-graph"):
         return 0, 1, None
     from ._parallel import init_process_group
@@ -127,6 +134,21 @@ def _print(line: str) -> None:
 
 def _silent(line: str) -> None:
     del line
+
+
+def _checkpoint(
+    opts: TrainOptions, trainer: Trainer, done: int, parallel: str, rank: int, log: Callable[[str], None]
+) -> None:
+    meta = {"dataset": opts.dataset, "target": opts.target, "seed": opts.seed, "parallel": parallel}
+    state = trainer.state_dict()  # in every process: gathering sharded JAX state is a collective
+    multihost = opts.target == "tpu" and opts.wants_multihost()
+    if not multihost or rank == 0:  # several JAX processes: process 0 writes the global tensors
+        path = save_checkpoint(opts.checkpoint_dir or "", done, state, meta, trainer.checkpoint_plan)
+        log(f"checkpoint step {done} -> {path}")
+    if multihost:
+        from recir.lower_tpu import sync_processes
+
+        sync_processes(f"recir-dlrmv3-checkpoint-{done}")
 
 
 def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResult:
@@ -188,13 +210,15 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
                 for k, v in metrics.items():
                     writer.add_scalar(f"eval/{k}", v, done)
         if opts.checkpoint_every and done % opts.checkpoint_every == 0:
-            meta = {"dataset": opts.dataset, "target": opts.target, "seed": opts.seed, "parallel": parallel}
-            path = save_checkpoint(
-                opts.checkpoint_dir or "", done, trainer.state_dict(), meta, trainer.checkpoint_plan
-            )
-            log(f"checkpoint step {done} -> {path}")
+            _checkpoint(opts, trainer, done, parallel, rank, log)
         progress.update(done)
     progress.close()
+    if world > 1:  # padding waste over the global batches, not rank 0's slices only
+        import torch.distributed as dist
+
+        counts = torch.tensor([data.stats.real, data.stats.padded], dtype=torch.int64)
+        dist.all_reduce(counts)
+        data.stats = PaddingStats(int(counts[0]), int(counts[1]))
     result.metrics = evaluate(trainer, data, opts.num_eval_batches)
     if writer is not None:
         for k, v in result.metrics.items():

@@ -151,8 +151,11 @@ class CompiledTrainer:
 
             plan = rd.plan(self.graph, parallel_mode(parallel), mesh, batch="global")
             self.compiled = lowering.compile(self.graph, plan, mesh=mesh, embedding_backend=embedding_backend)
+            import jax
+
             self.description = (
-                f"{lowering.__name__}.compile on {_device_words(target)}, mesh {mesh.axes}, "
+                f"{lowering.__name__}.compile on {_device_words(target)}, mesh {mesh.axes} over "
+                f"{jax.process_count()} process(es), "
                 f"parallel {parallel} ({plan.mode}), embedding backend {embedding_backend or 'default'}"
             )
         else:
