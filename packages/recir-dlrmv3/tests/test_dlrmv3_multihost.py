@@ -19,6 +19,8 @@ FLAGS = dict(batch_size=8, embedding_dim=16, num_layers=1, num_heads=2, uih_len=
              hash_size=200, num_train_batches=3, log_every=1, num_eval_batches=1, input_dropout=0.0,
              layer_dropout=0.0, seed=1)  # fmt: skip
 STEPS = int(FLAGS["num_train_batches"])
+# Run once, in the tpu session, not also in the cpu session (where JAX has one device).
+_ONE_DEVICE = "device_count=8" not in os.environ.get("XLA_FLAGS", "")
 
 
 def _port() -> int:
@@ -28,6 +30,9 @@ def _port() -> int:
 
 
 @pytest.mark.tpu
+@pytest.mark.skipif(
+    _ONE_DEVICE, reason="the tpu nox session runs it (8 host devices); it starts its own JAX processes"
+)
 def test_dlrmv3_two_jax_processes_train_like_one(tmp_path):
     ckpt = tmp_path / "ckpt"
     port = _port()
@@ -67,10 +72,11 @@ def test_dlrmv3_two_jax_processes_train_like_one(tmp_path):
     for i, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i}:\n{(out + err)[-4000:]}"
     out0, out1 = outs[0][0], outs[1][0]
-    # process 0 logs, process 1 stays silent (gloo's own connection lines aside)
-    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == [], out1
+    # process 0 logs, process 1 stays silent. Gloo's C++ threads print connection lines to the same
+    # stdout and may interleave with ours, so the patterns are not anchored at line starts.
+    assert not re.search(r"train step compiled|epoch \d+ step|checkpoint step|done: target", out1), out1
     assert "mesh {'data': 8} over 2 process(es)" in out0, out0
-    losses = [float(x) for x in re.findall(r"^epoch \d+ step \d+ loss (\S+)", out0, flags=re.M)]
+    losses = [float(x) for x in re.findall(r"epoch \d+ step \d+ loss (\d+\.\d+)", out0)]
     assert len(losses) == STEPS, out0
 
     ref = train(

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.tpu
+pytestmark = [
+    pytest.mark.tpu,
+    # run once, in the tpu session (8 host devices), not also in the cpu session; it starts its own processes
+    pytest.mark.skipif(
+        "device_count=8" not in os.environ.get("XLA_FLAGS", ""),
+        reason="the tpu nox session runs it (XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+    ),
+]
 
 WORKER = Path(__file__).with_name("_lower_tpu_multiprocess_worker.py")
 
