@@ -2,30 +2,12 @@
 (`Batch.loss_norm`) and the attention by its longest sequence (`Batch.max_seq_len`), so the mean of two
 halves' gradients is the whole batch's gradient even when the halves hold different numbers of candidates."""
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from _dlrmv3_workers import random_samples
 from recir.dlrmv3 import DLRMv3, ModelConfig, Sample, collate, dataset_spec, loss_fn, multitask_loss
 
 UIH, CAND = 6, 3
-
-
-def _samples(n: int, max_uih: int, max_cand: int, seed: int) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        u, c = int(rng.integers(1, max_uih + 1)), int(rng.integers(1, max_cand + 1))
-        out.append(
-            Sample(
-                uih_ids=rng.integers(1, 50, u),
-                uih_timestamps=1_600_000_000 + np.sort(rng.integers(0, 10**6, u)),
-                uih_actions=rng.integers(0, 32, u),
-                cand_ids=rng.integers(1, 50, c),
-                cand_actions=rng.integers(0, 4, c),
-                contextual=rng.integers(0, 50, 2),
-            )
-        )
-    return out
 
 
 def _setup() -> tuple[DLRMv3, dict[str, int], list[Sample]]:
@@ -36,7 +18,9 @@ def _setup() -> tuple[DLRMv3, dict[str, int], list[Sample]]:
     model = DLRMv3(spec, cfg)
     rows = {f: cfg.table_rows(t) for t in spec.tables for f in t.features}
     # first half: long histories, up to 3 candidates; second half: short histories, 1 candidate each
-    samples = _samples(4, UIH, CAND, seed=1) + _samples(4, 2, 1, seed=2)
+    samples = random_samples(4, seed=1, max_uih=UIH, max_cand=CAND) + random_samples(
+        4, seed=2, max_uih=2, max_cand=1
+    )
     return model, rows, samples
 
 

@@ -5,27 +5,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from recir.dlrmv3 import DLRMv3, ModelConfig, Sample, collate, dataset_spec, loss_fn
+from _dlrmv3_workers import random_samples
+from recir.dlrmv3 import DLRMv3, ModelConfig, collate, dataset_spec, loss_fn
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
-
-
-def _samples(n: int, seed: int = 0, max_uih: int = 6, max_cand: int = 3) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        u, c = int(rng.integers(1, max_uih + 1)), int(rng.integers(1, max_cand + 1))
-        out.append(
-            Sample(
-                uih_ids=rng.integers(1, 50, u),
-                uih_timestamps=1_600_000_000 + np.sort(rng.integers(0, 10**6, u)),
-                uih_actions=rng.integers(0, 32, u),
-                cand_ids=rng.integers(1, 50, c),
-                cand_actions=rng.integers(0, 4, c),
-                contextual=rng.integers(0, 50, 2),
-            )
-        )
-    return out
 
 
 def _model(seed: int = 0, **kw) -> tuple[DLRMv3, dict[str, int]]:
@@ -41,7 +24,7 @@ def test_dlrmv3_more_padding_changes_no_logit():
     model, rows = _model(uih_len=6, num_candidates=3)
     model.eval()
     spec = model.spec
-    samples = _samples(4)
+    samples = random_samples(4)
     tight = collate(samples, spec, 6, 3, rows)
     loose = collate(samples, spec, 11, 5, rows)
     with torch.no_grad():
@@ -82,7 +65,7 @@ class _Loss(nn.Module):
 
 def test_dlrmv3_forward_and_backward_trace_with_static_shapes_in_fake_mode():
     model, rows = _model(uih_len=6, num_candidates=3, input_dropout=0.2, layer_dropout=0.1)
-    batch = collate(_samples(4), model.spec, 6, 3, rows)
+    batch = collate(random_samples(4), model.spec, 6, 3, rows)
     model.ec = _StaticEmbeddingStandIn(model, 4, 6, 3)  # type: ignore[assignment]
     wrapper = _Loss(model)
     params = dict(wrapper.named_parameters())
@@ -107,7 +90,7 @@ def test_dlrmv3_forward_and_backward_trace_with_static_shapes_in_fake_mode():
 
 def test_dlrmv3_gradients_match_float64_finite_differences():
     model, rows = _model(uih_len=4, num_candidates=2, input_dropout=0.0, layer_dropout=0.0, hash_size=12)
-    batch = collate(_samples(2, seed=3, max_uih=4, max_cand=2), model.spec, 4, 2, rows)
+    batch = collate(random_samples(2, seed=3, max_uih=4, max_cand=2), model.spec, 4, 2, rows)
     # TorchRec's EC computes in its table dtype (fp32); the stand-in does the same lookup in float64.
     with torch.no_grad():
         expect = model(batch)
