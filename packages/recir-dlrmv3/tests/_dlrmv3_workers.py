@@ -25,25 +25,6 @@ SMALL = dict(
 )
 
 
-def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        lines: list[str] = []
-        opts = TrainOptions(
-            target="eager-graph",
-            parallel="hybrid",
-            checkpoint_dir=str(Path(out) / "ckpt"),
-            checkpoint_every=2,
-            **SMALL,  # type: ignore[arg-type]
-        )
-        result = train(opts, log=lines.append)
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": result.losses, "lines": lines}))
-    finally:
-        dist.destroy_process_group()
-
-
 # Several candidates per sample: the ranks' halves of a global batch hold different candidate counts and
 # longest sequences, which the global normalisation (Batch.loss_norm / max_seq_len) must absorb.
 # Seed 1: they differ in steps 1 and 2. Checkpoints every 2 steps (a resume point and the final state).

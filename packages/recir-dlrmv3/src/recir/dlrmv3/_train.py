@@ -141,7 +141,7 @@ def _checkpoint(
 ) -> None:
     meta = {"dataset": opts.dataset, "target": opts.target, "seed": opts.seed, "parallel": parallel}
     state = trainer.state_dict()  # in every process: gathering sharded JAX state is a collective
-    multihost = opts.target == "tpu" and opts.wants_multihost()
+    multihost = opts.wants_multihost()  # check() allows it on the TPU path only
     if not multihost or rank == 0:  # several JAX processes: process 0 writes the global tensors
         path = save_checkpoint(opts.checkpoint_dir or "", done, state, meta, trainer.checkpoint_plan)
         log(f"checkpoint step {done} -> {path}")

@@ -48,22 +48,19 @@ class Placement:
     def devices(self) -> list[Any]:
         return [self.device] if self.mesh is None else list(self.mesh.devices.flat)
 
-    def _default(self) -> Sharding:
+    def replicated(self) -> Sharding:
+        """Every device of the placement holds the whole value (the one device without a mesh)."""
         if self.mesh is None:
             return SingleDeviceSharding(self.device)
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def replicated(self) -> Sharding:
-        """Every device of the placement holds the whole value."""
-        return self._default()
-
     def state_sharding(self, slot: StateSlot) -> Sharding:
         del slot  # the plan's placement for this slot goes here
-        return self._default()
+        return self.replicated()
 
     def batch_sharding(self, slot: BatchSlot) -> Sharding:
         del slot  # data-parallel batches will split along the mesh's data axis here
-        return self._default()
+        return self.replicated()
 
     def node_sharding(self, node: Any) -> Sharding | None:
         """A sharding constraint for one graph node's value (plan-driven placements override this)."""
