@@ -124,6 +124,7 @@ from ._transform import (
 )
 from ._transforms import CommonSubexpressionElimination as CommonSubexpressionElimination
 from ._transforms import DeadCodeElimination as DeadCodeElimination
+from ._transforms import MixedPrecision as MixedPrecision
 from ._verify import INVARIANTS as INVARIANTS
 from ._verify import register_graph_namespace as register_graph_namespace
 from ._verify import verify as verify
@@ -179,6 +180,7 @@ __all__ = [
     # built-in transforms and utilities
     "DeadCodeElimination",
     "CommonSubexpressionElimination",
+    "MixedPrecision",
     "phase_split",
     "PHASE_SPLIT_KEY",
     # overrides

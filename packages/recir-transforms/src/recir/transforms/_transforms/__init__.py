@@ -2,5 +2,6 @@
 
 from .cse import CommonSubexpressionElimination as CommonSubexpressionElimination
 from .dce import DeadCodeElimination as DeadCodeElimination
+from .mixed_precision import MixedPrecision as MixedPrecision
 
-__all__ = ["CommonSubexpressionElimination", "DeadCodeElimination"]
+__all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "MixedPrecision"]

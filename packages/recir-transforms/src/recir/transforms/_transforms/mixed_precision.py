@@ -1,0 +1,122 @@
+"""``recir-mixed-precision``: matrix products in a low-precision dtype (bf16/fp16), everything else fp32.
+
+The policy of ``torch.autocast``'s lower-precision list, applied to the whole captured step: the
+parameters, the optimizer state and the optimizer update stay fp32 ("master weights"); forward and
+backward matrix products read bf16 copies of their operands and hand fp32 results to the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .._errors import ConfigError
+from .._step import PHASE_KEY, StepGraph
+from .._transform import Transform, TransformResult, register_transform
+
+_aten = torch.ops.aten
+# op -> positions of its matrix operands (the bias of addmm/baddbmm is cast too: one dtype per op)
+_MATMULS: dict[Any, tuple[int, ...]] = {
+    _aten.mm.default: (0, 1),
+    _aten.bmm.default: (0, 1),
+    _aten.addmm.default: (0, 1, 2),
+    _aten.baddbmm.default: (0, 1, 2),
+}
+_LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+@register_transform
+class MixedPrecision(Transform):
+    """Run forward and backward ``mm``/``bmm``/``addmm``/``baddbmm`` on ``compute_dtype`` copies of
+    their fp32 operands, and cast each product back to fp32.
+
+    One cast per value (shared by every product that reads it, placed before the first of them), so
+    an activation read by a forward product and by the backward weight-gradient product is cast
+    once. Optimizer-phase nodes are never touched: master weights and optimizer state stay fp32.
+
+    Before::
+
+        %mm = aten.mm(%x, %param_w)  # forward
+
+    After::
+
+        %x_bf16 = aten._to_copy(%x, dtype=torch.bfloat16)  # forward
+        %param_w_bf16 = aten._to_copy(%param_w, dtype=torch.bfloat16)  # forward
+        %mm = aten.mm(%x_bf16, %param_w_bf16)  # forward
+        %mm_f32 = aten._to_copy(%mm, dtype=torch.float32)  # forward
+    """
+
+    name = "recir-mixed-precision"
+    summary = "matrix products on bf16/fp16 copies of fp32 operands; master weights stay fp32"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        compute_dtype: str = "bfloat16"  # "bfloat16" | "float16"
+        phases: tuple[str, ...] = ("forward", "backward")
+
+    def requires(self, step: StepGraph) -> None:
+        if self.options.compute_dtype not in _LOW:
+            raise ConfigError(
+                f"{self.name}: compute_dtype={self.options.compute_dtype!r} is not supported. "
+                f"Fix: pass one of {', '.join(_LOW)}."
+            )
+        if "optimizer" in self.options.phases:
+            raise ConfigError(
+                f"{self.name}: phases={self.options.phases!r} includes 'optimizer'; the optimizer "
+                "update must stay fp32 (master weights). Fix: use phases=('forward', 'backward')."
+            )
+
+    def run(self, step: StepGraph) -> TransformResult:
+        self.requires(step)
+        low = _LOW[self.options.compute_dtype]
+        graph = step.graph
+        casts: dict[fx.Node, fx.Node] = {}  # fp32 value -> its low-precision copy
+        rewritten: dict[str, int] = {}
+        for node in list(graph.nodes):
+            positions = _MATMULS.get(node.target) if node.op == "call_function" else None
+            if positions is None or node.meta.get(PHASE_KEY) not in self.options.phases:
+                continue
+            operands = [node.args[i] for i in positions]
+            if not all(_val(a) is not None and _val(a).dtype == torch.float32 for a in operands):
+                continue  # already low precision, or an operand without a value: leave it
+            args = list(node.args)
+            for i in positions:
+                src = args[i]
+                if src not in casts:
+                    casts[src] = self._cast(graph, src, low, before=node, phase=node.meta[PHASE_KEY])
+                args[i] = casts[src]
+            node.args = tuple(args)
+            node.meta["val"] = node.target(*[_val(a) if isinstance(a, fx.Node) else a for a in args])
+            with graph.inserting_after(node):
+                back = graph.create_node(
+                    "call_function",
+                    _aten._to_copy.default,
+                    (node,),
+                    {"dtype": torch.float32},
+                    name=f"{node.name}_f32",
+                )
+            node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
+            back.meta.update({PHASE_KEY: node.meta[PHASE_KEY], "val": _val(node).to(torch.float32)})
+            name = str(node.target.overloadpacket.__name__)
+            rewritten[name] = rewritten.get(name, 0) + 1
+        if rewritten:
+            step.graph_module.recompile()
+        stats = {"matmuls": sum(rewritten.values()), **rewritten, "casts": len(casts)}
+        return TransformResult(step, bool(rewritten), stats)
+
+    @staticmethod
+    def _cast(graph: fx.Graph, src: fx.Node, dtype: torch.dtype, before: fx.Node, phase: str) -> fx.Node:
+        with graph.inserting_before(before):
+            suffix = "bf16" if dtype == torch.bfloat16 else "f16"
+            cast = graph.create_node(
+                "call_function", _aten._to_copy.default, (src,), {"dtype": dtype}, name=f"{src.name}_{suffix}"
+            )
+        cast.meta.update({PHASE_KEY: phase, "val": _val(src).to(dtype)})
+        return cast
