@@ -99,3 +99,23 @@ def test_capture_rng_rand_and_randn() -> None:
     # N(0,1) + U[0,1): mean 0.5, variance 1 + 1/12
     assert abs(out.mean().item() - 0.5) < 0.1
     assert abs(out.var().item() - (1 + 1 / 12)) < 0.15
+
+
+def _uniform_int64_reference(key: int, base: int, n: int) -> torch.Tensor:
+    """The hash in masked int64 maths (how it was first written): the int32 version must give its bits."""
+    from recir.capture._rng import mix32
+
+    m32 = 0xFFFFFFFF
+    ctr = (torch.arange(n, dtype=torch.int64) + base) & m32
+    bits = mix32(torch.bitwise_xor(mix32(ctr), torch.tensor(key) & m32))
+    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def test_capture_rng_int32_hash_matches_the_masked_int64_hash() -> None:
+    from recir.capture._rng import uniform
+
+    # keys and counter bases on both sides of 2**31 and across the 2**32 wrap
+    for key in (0, 12345, 2**31 - 1, 2**31, 2**32 - 1):
+        for base in (0, 7, 2**31 - 100, 2**32 - 50, 2**32 + 3):
+            got = uniform(torch.tensor(key, dtype=torch.int64), base, (300,), torch.float32)
+            assert torch.equal(got, _uniform_int64_reference(key, base, 300)), (key, base)

@@ -238,3 +238,32 @@ def test_aten_op_without_lowering_raises_at_first_call(sgd_step):
     ) as info:
         compiled(compiled.init_state(model), batch)
     assert "Environment.override_op_definition" in str(info.value)
+
+
+def test_lower_tpu_low_precision_matmuls_accumulate_in_fp32():
+    import numpy as np
+    from recir.lower_tpu._lowerings import aten_addmm, aten_mm
+
+    assert {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"} <= set(registered_jax_lowerings())
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 4096, generator=g), torch.randn(4096, 16, generator=g)
+    bias = torch.randn(16, generator=g)
+
+    def bf16(t):
+        return jnp.asarray(t.numpy()).astype(jnp.bfloat16)
+
+    def back(x):
+        return torch.from_numpy(np.asarray(x.astype(jnp.float32)))
+
+    exact = a.bfloat16().double() @ b.bfloat16().double()
+    out = aten_mm(bf16(a), bf16(b))
+    assert out.dtype == jnp.bfloat16  # torch's semantics: the operands' dtype
+    # one rounding of the fp32 sum to bf16 (8-bit mantissa): within 2**-8 of the exact product
+    assert ((back(out).double() - exact).abs() / exact.abs().clamp(min=1.0)).max() < 2**-8
+    got = back(aten_addmm(bf16(bias), bf16(a), bf16(b), beta=0.5, alpha=2.0)).double()
+    want = 2.0 * exact + 0.5 * bias.bfloat16().double()
+    assert ((got - want).abs() / want.abs().clamp(min=1.0)).max() < 2**-7
+    nan_bias = jnp.full((16,), jnp.nan, jnp.float32)
+    assert not np.isnan(np.asarray(aten_addmm(nan_bias, a.numpy(), b.numpy(), beta=0))).any()
+    # fp32 operands: a plain fp32 product
+    torch.testing.assert_close(back(aten_mm(a.numpy(), b.numpy())), a @ b, rtol=1e-4, atol=1e-3)

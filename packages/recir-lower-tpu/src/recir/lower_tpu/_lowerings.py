@@ -184,6 +184,33 @@ def aten_embedding_bag_psw_backward(grad, weight, indices, offsets, offset2bag, 
     return jnp.where(seg < num_bags, out, 0).astype(grad.dtype)
 
 
+# -- matrix products: accumulate in fp32 (torchax's `x @ y` accumulates bf16 in bf16) ---------------
+def _matmul(x, y):
+    """``x @ y`` with an fp32 accumulator, returned in the operands' dtype (torch's semantics). On
+    x86 CPUs this is also what selects XLA's oneDNN bf16 kernels (AMX): measured 1.7 ms against 10 ms
+    for a bf16 1216x512x2048 product accumulated in bf16."""
+    if x.dtype in (jnp.bfloat16, jnp.float16) and x.dtype == y.dtype:
+        return jnp.matmul(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.matmul(x, y)
+
+
+@register_jax_lowering("aten::mm")
+@register_jax_lowering("aten::bmm")
+def aten_mm(x, y):
+    return _matmul(x, y)
+
+
+@register_jax_lowering("aten::addmm")
+@register_jax_lowering("aten::baddbmm")
+def aten_addmm(bias, x, y, *, beta=1.0, alpha=1.0):
+    prod = _matmul(x, y)
+    if alpha != 1:
+        prod = prod * jnp.asarray(alpha, prod.dtype)
+    if beta == 0:  # torch ignores self (even NaN) when beta is 0
+        return prod
+    return prod + (bias if beta == 1 else bias * jnp.asarray(beta, bias.dtype))
+
+
 # -- searchsorted (torchax ignores right=/side=/sorter=/out_int32=) ---------------------------------
 @register_jax_lowering("aten::searchsorted.Tensor")
 def aten_searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):

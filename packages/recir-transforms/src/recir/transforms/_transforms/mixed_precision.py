@@ -26,6 +26,22 @@ _MATMULS: dict[Any, tuple[int, ...]] = {
     _aten.baddbmm.default: (0, 1, 2),
 }
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Ops a cast commutes with (views of a whole tensor, and clone): the cast moves to their source and
+# the op is redone on the copy, so a weight read as `t(w)` forward and as `w` backward (or an activation
+# read through two reshapes) is cast once, and a clone copies half the bytes. Slices are not here:
+# casting a whole tensor for a part of it can cost more.
+_VIEWS = {
+    _aten.clone.default,
+    _aten.t.default,
+    _aten.permute.default,
+    _aten.transpose.int,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.expand.default,
+    _aten.unsqueeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.dims,
+}
 
 
 def _val(node: Any) -> Any:
@@ -37,9 +53,10 @@ class MixedPrecision(Transform):
     """Run forward and backward ``mm``/``bmm``/``addmm``/``baddbmm`` on ``compute_dtype`` copies of
     their fp32 operands, and cast each product back to fp32.
 
-    One cast per value (shared by every product that reads it, placed before the first of them), so
-    an activation read by a forward product and by the backward weight-gradient product is cast
-    once. Optimizer-phase nodes are never touched: master weights and optimizer state stay fp32.
+    One cast per value (shared by every product that reads it, placed before the first of them; a
+    view of a tensor is redone on the cast of the tensor), so a weight or an activation read by a
+    forward product and by a backward one is cast once. Optimizer-phase nodes are never touched:
+    master weights and optimizer state stay fp32.
 
     Before::
 
@@ -88,10 +105,7 @@ class MixedPrecision(Transform):
                 continue  # already low precision, or an operand without a value: leave it
             args = list(node.args)
             for i in positions:
-                src = args[i]
-                if src not in casts:
-                    casts[src] = self._cast(graph, src, low, before=node, phase=node.meta[PHASE_KEY])
-                args[i] = casts[src]
+                args[i] = self._low(graph, args[i], low, node, casts)
             node.args = tuple(args)
             node.meta["val"] = node.target(*[_val(a) if isinstance(a, fx.Node) else a for a in args])
             with graph.inserting_after(node):
@@ -106,17 +120,31 @@ class MixedPrecision(Transform):
             back.meta.update({PHASE_KEY: node.meta[PHASE_KEY], "val": _val(node).to(torch.float32)})
             name = str(node.target.overloadpacket.__name__)
             rewritten[name] = rewritten.get(name, 0) + 1
+        for src in reversed(list(casts)):  # fp32 views only the products read are dead now
+            if src.op == "call_function" and src.target in _VIEWS and not src.users:
+                graph.erase_node(src)
         if rewritten:
             step.graph_module.recompile()
-        stats = {"matmuls": sum(rewritten.values()), **rewritten, "casts": len(casts)}
+        n_casts = sum(1 for c in casts.values() if c.target is _aten._to_copy.default)
+        stats = {"matmuls": sum(rewritten.values()), **rewritten, "casts": n_casts}
         return TransformResult(step, bool(rewritten), stats)
 
-    @staticmethod
-    def _cast(graph: fx.Graph, src: fx.Node, dtype: torch.dtype, before: fx.Node, phase: str) -> fx.Node:
-        with graph.inserting_before(before):
-            suffix = "bf16" if dtype == torch.bfloat16 else "f16"
-            cast = graph.create_node(
-                "call_function", _aten._to_copy.default, (src,), {"dtype": dtype}, name=f"{src.name}_{suffix}"
-            )
-        cast.meta.update({PHASE_KEY: phase, "val": _val(src).to(dtype)})
-        return cast
+    def _low(
+        self, graph: fx.Graph, src: fx.Node, dtype: torch.dtype, user: fx.Node, memo: dict[fx.Node, fx.Node]
+    ) -> fx.Node:
+        """The low-precision copy of ``src`` (memoised), created before ``user`` in its phase."""
+        if src in memo:
+            return memo[src]
+        base = src.args[0] if src.op == "call_function" and src.target in _VIEWS and src.args else None
+        if isinstance(base, fx.Node) and _val(base) is not None and _val(base).dtype == torch.float32:
+            target, args = src.target, (self._low(graph, base, dtype, user, memo), *src.args[1:])
+        else:
+            target, args = _aten._to_copy.default, (src,)
+        suffix = "bf16" if dtype == torch.bfloat16 else "f16"
+        kwargs = {"dtype": dtype} if target is _aten._to_copy.default else dict(src.kwargs)
+        with graph.inserting_before(user):
+            low = graph.create_node("call_function", target, args, kwargs, name=f"{src.name}_{suffix}")
+        fake = [_val(a) if isinstance(a, fx.Node) else a for a in args]
+        low.meta.update({PHASE_KEY: user.meta[PHASE_KEY], "val": target(*fake, **kwargs)})
+        memo[src] = low
+        return low
