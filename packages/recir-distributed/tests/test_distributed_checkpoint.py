@@ -23,6 +23,9 @@ def test_checkpoint_saved_by_two_ranks_reshards(tmp_path):
     assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
     saved = rd.saved_plan(directory)
     assert saved is not None and saved.world_size == 2 and saved.mode != "table_wise"
+    # recir.json records the global shapes (not rank 0's shards) and the checksums of both ranks' files
+    assert rd.saved_slots(directory) == {n: (tuple(saved.shapes[n]), saved.dtypes[n]) for n in saved.slots}
+    assert len([f for f in rd.verify_checkpoint(directory)["files"] if f.endswith(".distcp")]) == 2
     # the same files, read by one process as global tensors: continue on the global batch
     ref_losses, half, ref_final = reference(2, 6)
     gstep = M.emb_step(LOCAL_B * 2)
@@ -48,7 +51,9 @@ def test_checkpoint_errors(tmp_path):
     rd.save_sharded(tmp_path / "c", {"param:w": torch.ones(2)}, None)
     with pytest.raises(rd.DataError, match="no slot"):
         rd.load_resharded(tmp_path / "c", plan1)
-    assert set(rd.load_resharded(tmp_path / "c", plan1, strict=False)) == set()
+    with pytest.raises(rd.DataError, match="no slot"):  # only the named slots may stay fresh
+        rd.load_resharded(tmp_path / "c", plan1, allow_missing=["param:*"])
+    assert set(rd.load_resharded(tmp_path / "c", plan1, allow_missing=["*"])) == set()
     with pytest.raises(rd.DataError, match="not a complete checkpoint"):
         rd.load_resharded(tmp_path, None)
     with pytest.raises(rd.ConfigError, match="2 devices"):

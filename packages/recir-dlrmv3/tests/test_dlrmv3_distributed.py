@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from _dlrmv3_workers import SMALL, VARIED, run_rank_modes
+from recir.distributed import CheckpointMismatchError
 from recir.dlrmv3 import TrainOptions, load_checkpoint, make_data, train
 from recir.dlrmv3._cli import main
 from recir.dlrmv3._parallel import local_batch
@@ -74,8 +75,15 @@ def test_dlrmv3_two_ranks_train_like_one_and_resume_on_one(tmp_path):
     # the hybrid checkpoint holds each rank's shards and the plan; one eager process resumes from step 2
     step2 = tmp_path / "hybrid" / "step-2"
     assert (step2 / "plan.json").is_file() and len(list(step2.glob("*.distcp"))) == 2
+    # eager keeps torch's CPU generator where the captured step (no dropout here) keeps no rng slot: the
+    # resume names that slot unless --allow_fresh_slots accepts it starting fresh
+    eager_opts = dict(VARIED, checkpoint_every=0, target="eager", resume=str(step2))
+    with pytest.raises(
+        CheckpointMismatchError, match="slot rng:torch_cpu: this run has it, the checkpoint does not"
+    ):
+        train(TrainOptions(**eager_opts), log=lambda _: None)  # type: ignore[arg-type]
     resumed = train(
-        TrainOptions(target="eager", resume=str(step2), **dict(VARIED, checkpoint_every=0)),  # type: ignore[arg-type]
+        TrainOptions(**eager_opts, allow_fresh_slots=("rng:*",)),  # type: ignore[arg-type]
         log=lambda _: None,
     )
     assert resumed.start_step == 2

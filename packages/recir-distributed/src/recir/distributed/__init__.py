@@ -3,9 +3,19 @@
 from recir.transforms import ConfigError as ConfigError
 from recir.transforms import DataError as DataError
 
+from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from ._checkpoint import SlotProblem as SlotProblem
+from ._checkpoint import checkpoint_meta as checkpoint_meta
+from ._checkpoint import compare_slots as compare_slots
 from ._checkpoint import load_resharded as load_resharded
 from ._checkpoint import save_sharded as save_sharded
 from ._checkpoint import saved_plan as saved_plan
+from ._checkpoint import saved_slots as saved_slots
+from ._checkpoint import slot_specs as slot_specs
+from ._checkpoint import verify_checkpoint as verify_checkpoint
+from ._checkpoint_manager import CheckpointManager as CheckpointManager
+from ._checkpoint_manager import latest_checkpoint as latest_checkpoint
+from ._checkpoint_manager import list_checkpoints as list_checkpoints
 from ._distribute import DISTRIBUTED_META as DISTRIBUTED_META
 from ._distribute import communication_bytes as communication_bytes
 from ._distribute import distribute as distribute
@@ -66,6 +76,16 @@ __all__ = [
     "save_sharded",
     "load_resharded",
     "saved_plan",
+    "checkpoint_meta",
+    "verify_checkpoint",
+    "slot_specs",
+    "saved_slots",
+    "compare_slots",
+    "SlotProblem",
+    # a run's checkpoints: keep-k over a manifest, atomic `latest`
+    "CheckpointManager",
+    "list_checkpoints",
+    "latest_checkpoint",
     # transforms
     "AllReduceGradients",
     "FoldRngRank",
@@ -75,4 +95,5 @@ __all__ = [
     # errors
     "ConfigError",
     "DataError",
+    "CheckpointMismatchError",
 ]

@@ -65,6 +65,10 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     )
 
 
+def _patterns(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 def _parser() -> argparse.ArgumentParser:
     from ._options import TrainOptions
 
@@ -109,14 +113,36 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--num_processes", type=int, default=None, help="multi-host: number of processes")
     d.add_argument("--process_id", type=int, default=None, help="multi-host: this process's id, 0..N-1")
     r.add_argument("--tensorboard_dir", default=None, help="write TensorBoard scalars here")
-    r.add_argument("--checkpoint_dir", default=None, help="write DCP checkpoints here")
+    r.add_argument(
+        "--checkpoint_dir",
+        default=None,
+        help="write DCP checkpoints here (refused when it holds another run's, unless --resume or --overwrite)",
+    )
     r.add_argument("--checkpoint_every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    r.add_argument(
+        "--keep_checkpoints",
+        type=int,
+        default=defaults["keep_checkpoints"],
+        help="keep this run's N newest checkpoints by write order (default %(default)s)",
+    )
+    r.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the checkpoints of a previous run in --checkpoint_dir before training",
+    )
     r.add_argument(
         "--resume",
         nargs="?",
         const="latest",
         default=None,
         help="resume from PATH, or without PATH from the latest checkpoint in --checkpoint_dir",
+    )
+    r.add_argument(
+        "--allow_fresh_slots",
+        type=_patterns,
+        default=(),
+        metavar="PATTERN[,PATTERN]",
+        help="glob patterns of state slots a resume may start fresh or drop (e.g. 'rng:*' across targets)",
     )
 
     pp = sub.add_parser(
@@ -179,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {fn(args.raw_dir, args.data_dir)}")
         return 0
     except (RecIRError, ImportError) as e:  # ImportError: a missing optional backend, named by its package
-        print(f"error: {e}", file=sys.stderr)
+        for problem in getattr(e, "problems", None) or [e]:  # CheckpointMismatchError: one line each
+            print(f"error: {problem}", file=sys.stderr)
         return 2
 
 

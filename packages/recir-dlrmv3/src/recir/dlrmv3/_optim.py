@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch
 from recir.transforms import ConfigError
@@ -111,4 +112,24 @@ def with_shared_step(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
             if name.startswith("optim:") and name.endswith(":step"):
                 out[SHARED_STEP] = value
                 break
+    return out
+
+
+_T = TypeVar("_T")
+
+
+def is_parameter_step(name: str) -> bool:
+    """Whether `name` is an eager optimizer's per-parameter step count (`optim:<param>:step`)."""
+    return name.startswith("optim:") and name.endswith(":step") and name != SHARED_STEP
+
+
+def shared_step_layout(state: Mapping[str, _T], agree: Callable[[_T, _T], bool]) -> dict[str, _T]:
+    """`state` in the captured step's layout, so eager and captured states compare slot by slot: eager's
+    per-parameter step counts become the one shared `optim:step` when `agree` says they are all equal
+    (one eager run steps every parameter together); otherwise they stay, and show up as differences."""
+    steps = [k for k in state if is_parameter_step(k)]
+    if not steps or SHARED_STEP in state or not all(agree(state[steps[0]], state[k]) for k in steps):
+        return dict(state)
+    out = {k: v for k, v in state.items() if k not in steps}
+    out[SHARED_STEP] = state[steps[0]]
     return out

@@ -37,7 +37,12 @@ class TrainOptions:
     tensorboard_dir: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    keep_checkpoints: int = 2
     resume: str | None = None
+    # a --checkpoint_dir holding another run's checkpoints: --overwrite deletes them before training
+    overwrite: bool = False
+    # glob patterns of slots a resume may start fresh (missing from the checkpoint) or drop (extra in it)
+    allow_fresh_slots: tuple[str, ...] = ()
     lr: float = 1e-3
     sparse_lr: float = 1e-3
     optimizer: str = "auto"
@@ -69,7 +74,7 @@ class TrainOptions:
         )
 
     def check(self) -> None:
-        for key in ("num_train_batches", "log_every", "num_eval_batches"):
+        for key in ("num_train_batches", "log_every", "num_eval_batches", "keep_checkpoints"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
         for key in ("num_workers", "eval_every", "checkpoint_every", "num_threads"):
@@ -98,3 +103,10 @@ class TrainOptions:
                 raise ConfigError(f"--num_processes must be >= 1, got {self.num_processes}")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ConfigError("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")
+        if self.overwrite and not self.checkpoint_dir:
+            raise ConfigError("--overwrite needs --checkpoint_dir (whose checkpoints it deletes)")
+        if self.overwrite and self.resume is not None:
+            raise ConfigError(
+                "--resume and --overwrite contradict each other: --overwrite starts a new run, deleting the "
+                f"checkpoints in {self.checkpoint_dir}; --resume continues one. Fix: pass one of them."
+            )

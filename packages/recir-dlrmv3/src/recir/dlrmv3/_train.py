@@ -4,26 +4,24 @@ checkpoints with exact resume (state, data position = global step, RNG).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import ConfigError, DataError
+from recir.transforms import ConfigError
 
 from ._batch import Batch, PaddingStats
-from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._data import Data, make_data, train_batches
 from ._metrics import MetricAccumulator
 from ._model import DLRMv3
 from ._optim import make_optimizers
 from ._options import TrainOptions
 from ._parallel import check_batch_split, local_batch
+from ._resume import checkpoint_meta, open_checkpoints, restore, resume_point
 from ._trainers import Trainer, make_trainer
 
 
@@ -85,20 +83,6 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _resume(opts: TrainOptions) -> tuple[Path, int] | None:
-    """(checkpoint directory, its step) to resume from, or None."""
-    if opts.resume is None:
-        return None
-    path = latest_checkpoint(opts.checkpoint_dir or "") if opts.resume == "latest" else Path(opts.resume)
-    if path is None:
-        return None  # nothing written yet: start from scratch
-    if not (path / "recir.json").is_file():
-        path = latest_checkpoint(path) if path.is_dir() else None
-        if path is None:
-            raise DataError(f"--resume {opts.resume}: no complete checkpoint found there")
-    return path, int(json.loads((path / "recir.json").read_text())["step"])
-
-
 def _setup_parallel(opts: TrainOptions) -> tuple[int, int, Any]:
     """(rank, data-parallel size, TPU mesh or None): starts the process group for --parallel on the GPU
     path, or joins the multi-process JAX job (rank = JAX process index, the batch stays global)."""
@@ -137,13 +121,17 @@ def _silent(line: str) -> None:
 
 
 def _checkpoint(
-    opts: TrainOptions, trainer: Trainer, done: int, parallel: str, rank: int, log: Callable[[str], None]
+    opts: TrainOptions,
+    trainer: Trainer,
+    done: int,
+    parallel: str,
+    checkpoints: Any,
+    log: Callable[[str], None],
 ) -> None:
-    meta = {"dataset": opts.dataset, "target": opts.target, "seed": opts.seed, "parallel": parallel}
     state = trainer.state_dict()  # in every process: gathering sharded JAX state is a collective
     multihost = opts.wants_multihost()  # check() allows it on the TPU path only
-    if not multihost or rank == 0:  # several JAX processes: process 0 writes the global tensors
-        path = save_checkpoint(opts.checkpoint_dir or "", done, state, meta, trainer.checkpoint_plan)
+    if checkpoints is not None:  # several JAX processes: process 0 alone holds one and writes
+        path = checkpoints.save(done, state, trainer.checkpoint_plan, checkpoint_meta(opts, parallel))
         log(f"checkpoint step {done} -> {path}")
     if multihost:
         from recir.lower_tpu import sync_processes
@@ -153,12 +141,13 @@ def _checkpoint(
 
 def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResult:
     """Runs `opts.num_train_batches` global steps (fewer when resuming) and evaluates at the end."""
+    resumed = resume_point(opts)  # checkpoint dir, checksums and configuration: before anything is built
     model, data, optimizers = build(opts)
     rank, world, mesh = _setup_parallel(opts)
     if rank != 0:
         log = _silent  # logs from rank 0 only
     parallel = "dp" if mesh is not None and opts.parallel == "none" else opts.parallel
-    resumed = _resume(opts)
+    checkpoints = open_checkpoints(opts, rank, log)  # --overwrite deletes the previous run's here
     start = resumed[1] if resumed else 0
     example = local_batch(data, start, rank, world) if world > 1 else data.train_batch(start)
     trainer = make_trainer(
@@ -166,8 +155,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
     )
     if resumed:
         # the checkpoint may come from another plan, world size or path: read this trainer's shards
-        trainer.load_state_dict(load_checkpoint(resumed[0], trainer.checkpoint_plan)[0])
-        log(f"resumed from step {start} ({opts.resume})")
+        restore(trainer, resumed[0], opts)
+        log(f"resumed from step {start} ({resumed[0]})")
     writer = None
     if opts.tensorboard_dir and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -210,7 +199,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
                 for k, v in metrics.items():
                     writer.add_scalar(f"eval/{k}", v, done)
         if opts.checkpoint_every and done % opts.checkpoint_every == 0:
-            _checkpoint(opts, trainer, done, parallel, rank, log)
+            _checkpoint(opts, trainer, done, parallel, checkpoints, log)
         progress.update(done)
     progress.close()
     if world > 1:  # padding waste over the global batches, not rank 0's slices only
