@@ -1,15 +1,18 @@
 """`recir-dlrmv3 parity`: the same model, seed and batches trained eagerly and through a compiled
-target; per step it compares the loss, every parameter and every shared optimizer-state slot.
+target; per step it compares the loss and every parameter, buffer and optimizer-state slot of both sides
+(a slot only one side has, another shape, or a NaN/Inf fails the run).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
+from ._optim import shared_step_layout
 from ._options import TrainOptions
 from ._train import build
 from ._trainers import EagerTrainer, make_trainer
@@ -24,25 +27,74 @@ class ParityRow:
     max_optim_diff: float
     worst_param: str
     worst_optim: str
+    problems: list[str] = field(default_factory=list)  # slots that could not be compared, NaN/Inf
 
     @property
     def loss_diff(self) -> float:
         return abs(self.loss_eager - self.loss_compiled)
 
+    def ok(self, atol: float) -> bool:
+        worst = max(self.loss_diff, self.max_param_diff, self.max_optim_diff)
+        return not self.problems and math.isfinite(worst) and worst <= atol
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str) -> tuple[float, str, int]:
-    worst, name, n = 0.0, "-", 0
-    for key, va in a.items():
-        if not key.startswith(prefix) or key not in b:
+
+@dataclass
+class StateDiff:
+    """The comparison of two states slot by slot: the largest |difference| of parameters and buffers and of
+    optimizer state (with the slot it occurs in), how many slots and elements were compared, and every
+    problem (a slot one side lacks, another shape, a NaN or Inf)."""
+
+    max_param: float = 0.0
+    worst_param: str = "-"
+    max_optim: float = 0.0
+    worst_optim: str = "-"
+    slots: int = 0
+    elements: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+COMPARED_KINDS = ("param:", "buffer:", "optim:")  # rng:* differ by design (separate generators)
+
+
+def eager_layout(
+    state: Mapping[str, torch.Tensor], optimizers: list[torch.optim.Optimizer]
+) -> dict[str, torch.Tensor]:
+    """An eager trainer's state in the captured step's layout: the per-parameter step counts as the shared
+    `optim:step` (when equal), plus each param group's learning rate as `optim:group<i>:lr` (the captured
+    step keeps it as state; eager keeps it in `param_groups`)."""
+    out = shared_step_layout(state, lambda a, b: bool(torch.equal(a, b)))
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    for i, group in enumerate(groups):
+        out[f"optim:group{i}:lr"] = torch.tensor(float(group["lr"]))
+    return out
+
+
+def compare_states(eager: Mapping[str, torch.Tensor], compiled: Mapping[str, torch.Tensor]) -> StateDiff:
+    """Every `param:`/`buffer:`/`optim:` slot of either side against the other's (values as float64)."""
+    diff = StateDiff()
+    names = sorted(k for k in set(eager) | set(compiled) if k.startswith(COMPARED_KINDS))
+    for name in names:
+        if name not in compiled or name not in eager:
+            side = "compiled" if name not in compiled else "eager"
+            diff.problems.append(f"{name}: missing on the {side} side")
             continue
-        vb = b[key]
-        if va.shape != vb.shape:
-            continue  # a differently laid-out slot (e.g. a per-parameter vs global step)
-        d = float((va.double() - vb.double()).abs().max()) if va.numel() else 0.0
-        n += 1
-        if d >= worst:
-            worst, name = d, key
-    return worst, name, n
+        a, b = torch.as_tensor(eager[name]), torch.as_tensor(compiled[name])
+        if tuple(a.shape) != tuple(b.shape):
+            diff.problems.append(f"{name}: shape {list(a.shape)} eager, {list(b.shape)} compiled")
+            continue
+        a, b = a.detach().cpu().double(), b.detach().cpu().double()
+        for side, t in (("eager", a), ("compiled", b)):
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                diff.problems.append(f"{name}: {bad} NaN/Inf value(s) on the {side} side")
+        d = float((a - b).abs().max()) if a.numel() else 0.0
+        diff.slots, diff.elements = diff.slots + 1, diff.elements + a.numel()
+        if name.startswith("optim:"):
+            if not d <= diff.max_optim:  # `not <=`: a NaN difference becomes the worst
+                diff.max_optim, diff.worst_optim = d, name
+        elif not d <= diff.max_param:
+            diff.max_param, diff.worst_param = d, name
+    return diff
 
 
 def run_parity(
@@ -58,26 +110,33 @@ def run_parity(
     log(
         f"{'step':>4}  {'loss eager':>12}  {'loss compiled':>13}  {'|dloss|':>9}  {'max|dparam|':>11}  {'max|doptim|':>11}"
     )
-    compared = (0, 0)
+    diff = StateDiff()
     for step in range(steps):
         batch = data.train_batch(step)
         le, _ = eager.step(batch)
         lc, _ = compiled.step(batch)
-        se, sc = eager.state_dict(), compiled.state_dict()
-        dp, wp, n_p = _max_diff(se, sc, "param:")
-        do, wo, n_o = _max_diff(se, sc, "optim:")
-        compared = (n_p, n_o)
-        row = ParityRow(step + 1, float(le), float(lc), dp, do, wp, wo)
+        theirs = compiled.state_dict()
+        if isinstance(compiled, EagerTrainer):  # --target eager: both sides in the same layout
+            theirs = eager_layout(theirs, opt_c)
+        diff = compare_states(eager_layout(eager.state_dict(), opt_e), theirs)
+        row = ParityRow(step + 1, float(le), float(lc), diff.max_param, diff.max_optim, diff.worst_param,
+                        diff.worst_optim, list(diff.problems))  # fmt: skip
+        for side, loss in (("eager", row.loss_eager), ("compiled", row.loss_compiled)):
+            if not math.isfinite(loss):
+                row.problems.append(f"loss: {loss} on the {side} side")
         rows.append(row)
         log(
             f"{row.step:>4}  {row.loss_eager:>12.6f}  {row.loss_compiled:>13.6f}  {row.loss_diff:>9.2e}  "
-            f"{dp:>11.2e}  {do:>11.2e}"
+            f"{row.max_param_diff:>11.2e}  {row.max_optim_diff:>11.2e}"
         )
-    ok = all(max(r.loss_diff, r.max_param_diff, r.max_optim_diff) <= atol for r in rows)
+        for problem in row.problems:
+            log(f"      problem: {problem}")
+    ok = all(r.ok(atol) for r in rows)
     worst = max(rows, key=lambda r: max(r.loss_diff, r.max_param_diff, r.max_optim_diff))
     log(
-        f"compared {compared[0]} parameters and {compared[1]} optimizer-state slots per step; "
-        f"worst parameter {worst.worst_param}, worst optimizer slot {worst.worst_optim}"
+        f"compared {diff.slots} slots and {diff.elements} elements per step (parameters, buffers, optimizer "
+        f"state; {sum(len(r.problems) for r in rows)} problem(s)); worst parameter {worst.worst_param}, "
+        f"worst optimizer slot {worst.worst_optim}"
     )
     log(f"parity {'OK' if ok else 'FAILED'} (atol {atol:g})")
     return rows, ok
