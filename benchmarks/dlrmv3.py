@@ -31,11 +31,15 @@ def _bench(target: str, uih_len: int, batch: int, args: argparse.Namespace) -> t
         num_layers=args.num_layers,
         num_heads=args.num_heads,
         hash_size=args.hash_size,
+        input_dropout=args.input_dropout,
+        layer_dropout=args.layer_dropout,
         num_threads=args.threads,
         seed=0,
     )
     model, data, optimizers = build(opts)
-    trainer = make_trainer(target, model, optimizers, data.train_batch(0), args.embedding_backend)
+    trainer = make_trainer(
+        target, model, optimizers, data.train_batch(0), args.embedding_backend, precision=args.precision
+    )
     started = time.perf_counter()
     for step in range(args.warmup):
         trainer.step(data.train_batch(step))
@@ -63,7 +67,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (peer numbers: 2 and 1)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps, compile included")
+    p.add_argument("--input_dropout", type=float, default=0.2)
+    p.add_argument("--layer_dropout", type=float, default=0.1)
     p.add_argument("--embedding_backend", default=None)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="default %(default)s")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {args.threads} thread(s), dim {args.embedding_dim}, "
           f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table")  # fmt: skip

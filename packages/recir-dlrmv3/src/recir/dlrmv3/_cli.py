@@ -9,7 +9,7 @@ import sys
 
 from recir.transforms import RecIRError
 
-from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, PARALLEL, TARGETS
+from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, PARALLEL, PRECISIONS, TARGETS
 
 
 def default_target() -> str:
@@ -62,6 +62,13 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         choices=EMBEDDING_BACKENDS,
         default=None,
         help="embedding kernels of a compiled target",
+    )
+    c.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=d["precision"],
+        help="fp32, or bf16: matrix products in bf16 with fp32 master weights and optimizer state "
+        "(recir-mixed-precision on the captured step; torch.autocast on --target eager) (default %(default)s)",
     )
 
 

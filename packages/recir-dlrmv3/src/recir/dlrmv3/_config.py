@@ -117,6 +117,8 @@ def _kuairand_spec() -> DatasetSpec:
 
 
 TARGETS = ("eager", "eager-graph", "gpu", "tpu")
+# fp32 everywhere, or bf16 matrix products with fp32 master weights and optimizer state
+PRECISIONS = ("fp32", "bf16")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
 EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
 OPTIMIZERS = ("auto", "reference", "adam", "adagrad")

@@ -30,6 +30,7 @@ class TrainOptions:
     input_dropout: float = ModelConfig.input_dropout
     layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
+    precision: str = "fp32"
     log_every: int = 50
     seed: int = 0
     eval_every: int = 0
@@ -82,8 +83,12 @@ class TrainOptions:
                 raise ConfigError(f"--{key} must be >= 0, got {getattr(self, key)}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint_every needs --checkpoint_dir")
-        from ._config import PARALLEL
+        from ._config import PARALLEL, PRECISIONS
 
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"unknown --precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}"
+            )
         if self.parallel not in PARALLEL:
             raise ConfigError(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")
         if self.mesh is not None and self.target != "tpu":

@@ -121,6 +121,7 @@ class DistributedTrainer:
         target: str,
         embedding_backend: str | None,
         mode: str,
+        precision: str = "fp32",
     ) -> None:
         import recir.distributed as rd
         from recir.capture import capture_train_step
@@ -131,7 +132,11 @@ class DistributedTrainer:
         opt: Any = optimizers[0] if len(optimizers) == 1 else list(optimizers)
         model.train()
         started = time.perf_counter()
-        graph = capture_train_step(model, opt, loss_fn, example, overrides=overrides())
+        from ._trainers import precision_pipeline
+
+        graph = precision_pipeline(precision).run(
+            capture_train_step(model, opt, loss_fn, example, overrides=overrides())
+        )
         self.plan = rd.plan(graph, parallel_mode(mode), rd.Mesh(axes={DEFAULT_MESH_AXIS: self.world}))
         self.checkpoint_plan = self.plan
         self.dstep = rd.distribute(graph, self.plan, self.rank)

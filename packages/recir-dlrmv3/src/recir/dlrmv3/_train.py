@@ -151,7 +151,14 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
     start = resumed[1] if resumed else 0
     example = local_batch(data, start, rank, world) if world > 1 else data.train_batch(start)
     trainer = make_trainer(
-        opts.target, model, optimizers, example, opts.embedding_backend, parallel=parallel, mesh=mesh
+        opts.target,
+        model,
+        optimizers,
+        example,
+        opts.embedding_backend,
+        parallel=parallel,
+        mesh=mesh,
+        precision=opts.precision,
     )
     if resumed:
         # the checkpoint may come from another plan, world size or path: read this trainer's shards

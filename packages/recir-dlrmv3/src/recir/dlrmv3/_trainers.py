@@ -16,7 +16,7 @@ import torch
 from recir.transforms import ConfigError
 
 from ._batch import Batch
-from ._config import EMBEDDING_BACKENDS, TARGETS
+from ._config import EMBEDDING_BACKENDS, PRECISIONS, TARGETS
 from ._model import DLRMv3, loss_fn
 from ._optim import load_optimizer_state, optimizer_state, with_shared_step
 
@@ -39,15 +39,20 @@ class Trainer(Protocol):
 class EagerTrainer:
     """Trains the live model with torch.optim; dropout draws from torch's global CPU generator."""
 
-    def __init__(self, model: DLRMv3, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, model: DLRMv3, optimizers: list[torch.optim.Optimizer], precision: str = "fp32"
+    ) -> None:
         self.model, self.optimizers = model, optimizers
         self.compile_seconds = 0.0
         self.checkpoint_plan = None
         self.description = "eager PyTorch (nothing to compile)"
+        # bf16: torch.autocast, what an eager user runs (bf16 matrix products, fp32 weights)
+        self.autocast = precision == "bf16"
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         self.model.train()
-        loss, logits = loss_fn(self.model, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            loss, logits = loss_fn(self.model, batch)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -123,6 +128,7 @@ class CompiledTrainer:
         embedding_backend: str | None,
         mesh: Any = None,
         parallel: str = "dp",
+        precision: str = "fp32",
     ) -> None:
         lowering = engine("gpu" if target == "eager-graph" else target)
         from recir.capture import capture_train_step
@@ -138,7 +144,9 @@ class CompiledTrainer:
         opt: Any = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         model.train()
         started = time.perf_counter()
-        self.graph = capture_train_step(model, opt, loss_fn, example, overrides=overrides())
+        self.graph = precision_pipeline(precision).run(
+            capture_train_step(model, opt, loss_fn, example, overrides=overrides())
+        )
         self.capture_seconds = time.perf_counter() - started
         self.checkpoint_plan = None  # state_dict() holds global tensors on every target here
         if target == "eager-graph":
@@ -210,6 +218,18 @@ class _Interpreted:
         return self.step.load_state_dict(dict(sd))
 
 
+def precision_pipeline(precision: str) -> Any:
+    """The StepGraph rewrites `--precision` asks for: none for fp32; bf16 matrix products (fp32 master
+    weights and optimizer state) for bf16."""
+    from recir.transforms import MixedPrecision, Pipeline
+
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown --precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
+    return Pipeline(
+        [MixedPrecision(compute_dtype="bfloat16")] if precision == "bf16" else [], name="precision"
+    )
+
+
 def make_trainer(
     target: str,
     model: DLRMv3,
@@ -218,6 +238,7 @@ def make_trainer(
     embedding_backend: str | None = None,
     parallel: str = "none",
     mesh: Any = None,
+    precision: str = "fp32",
 ) -> Trainer:
     """`eager`, or the captured step on `target`; `parallel` other than `none` on the GPU path (`gpu`,
     `eager-graph`) trains this rank's recir.distributed program (`example` is then this rank's batch)."""
@@ -227,9 +248,11 @@ def make_trainer(
                 "--parallel / --mesh need the captured step. Fix: --target eager-graph (interpreted), "
                 "--target gpu (torchrun) or --target tpu --mesh data=N."
             )
-        return EagerTrainer(model, optimizers)
+        return EagerTrainer(model, optimizers, precision)
     if target == "tpu" and mesh is not None:
-        return CompiledTrainer(model, optimizers, example, target, embedding_backend, mesh, parallel)
+        return CompiledTrainer(
+            model, optimizers, example, target, embedding_backend, mesh, parallel, precision
+        )
     if parallel != "none":
         if target == "tpu":
             raise ConfigError(
@@ -237,5 +260,7 @@ def make_trainer(
             )
         from ._parallel import DistributedTrainer
 
-        return DistributedTrainer(model, optimizers, example, target, embedding_backend, parallel)  # type: ignore[return-value]
-    return CompiledTrainer(model, optimizers, example, target, embedding_backend)
+        return DistributedTrainer(  # type: ignore[return-value]
+            model, optimizers, example, target, embedding_backend, parallel, precision
+        )
+    return CompiledTrainer(model, optimizers, example, target, embedding_backend, precision=precision)
