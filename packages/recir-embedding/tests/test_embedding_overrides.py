@@ -114,11 +114,30 @@ def test_pad_to_bucket_batches_share_one_capture(helpers):
     model, _ = apply_overrides(copy.deepcopy(tr), overrides())
     gen = torch.Generator().manual_seed(5)
     batch, _ = helpers.random_batch(gen)
-    step = build_step(model, helpers.loss_fn, batch, "sgd")
+    step = build_step(model, helpers.loss_fn, batch, "sgd")  # lr 0.1
     state = step.init_state(model)
-    for _ in range(3):
-        jb, _ = pad_to_bucket(helpers.random_kjt(gen), [helpers.BUCKET])
-        state, _ = step(state, {"features": jb, "y": torch.zeros(helpers.B)})
+    eager = copy.deepcopy(tr)  # TorchRec itself on the unpadded KJTs
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    id_counts = set()
+    for i in range(3):
+        kjt = helpers.random_kjt(gen)
+        id_counts.add(int(kjt.lengths().sum()))
+        jb, report = pad_to_bucket(kjt, [helpers.BUCKET])
+        assert set(report.capacity.values()) == {helpers.BUCKET}
+        y = torch.randn(helpers.B, generator=gen)
+        # the padded batch has the captured shapes: the one capture serves every batch
+        leaves = step.signature.flatten_batch({"features": jb, "y": y})
+        assert [tuple(t.shape) for t in leaves] == [s.shape for s in step.signature.batch]
+        state, (loss,) = step(state, {"features": jb, "y": y})
+        opt.zero_grad()
+        want = helpers.loss_fn(eager, {"features": kjt, "y": y})
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach(), msg=f"loss at step {i}")
+    assert len(id_counts) > 1, "the batches should differ in their number of ids"
+    got = dict(zip((s.name for s in step.signature.state), state))
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(got[f"param:{name}"], p.detach(), msg=name)
 
 
 def test_weighted_ebc_matches_torchrec():
