@@ -137,11 +137,24 @@ def test_logs_the_backend_and_lowers_to_stablehlo(sgd_step, caplog):
     assert compiled.compile_seconds == 0.0  # compiling waits for the first call
 
 
+def _mse_plus_high_bits(model, batch):
+    # batch["big"] holds int64 ids past 2**32: their high 32 bits survive only in 64-bit integers.
+    return _mse(model, batch) + (batch["big"] >> 32).to(torch.float32).sum()
+
+
 def test_x64_option_keeps_int64_exact(sgd_step):
     model = _mlp()
-    batch = _batches(1)[0]
-    compiled = compile(sgd_step(model, _mse, batch), options=TPUOptions(x64=True))
+    batch = {**_batches(1)[0], "big": torch.tensor([3 * 2**32 + 5, 2**40 + 7, 2**33], dtype=torch.int64)}
+    high_bits = 3 + 2**8 + 2
+    want = _mse(model, batch).detach() + high_bits
+    compiled = compile(sgd_step(model, _mse_plus_high_bits, batch), options=TPUOptions(x64=True))
+    assert compiled.x64
     state = compiled.init_state(model)
     state, (loss,) = compiled(state, batch)
     assert loss.dtype == torch.float32 and state[0].dtype == jax.numpy.float32
+    torch.testing.assert_close(loss, want, atol=ATOL, rtol=RTOL)
     assert not jax.config.read("jax_enable_x64"), "x64 must stay scoped to the compiled step"
+    # the same step in 32 bits loses the high bits: the check above can tell the two apart
+    narrow = compile(sgd_step(model, _mse_plus_high_bits, batch), options=TPUOptions(x64=False))
+    _, (loss32,) = narrow(narrow.init_state(model), batch)
+    assert abs(float(loss32) - float(want)) > 1.0, (float(loss32), float(want))
