@@ -12,6 +12,8 @@ lowering (a missed term, a stale running statistic, a lost in-place write) is of
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import recir.lower_gpu as lg
 import torch
@@ -70,22 +72,43 @@ def test_compiled_step_matches_eager_for_20_steps_in_place(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_cuda_parity_in_place_with_and_without_cuda_graphs(cuda_graphs, lower_gpu_cache_dir):
+@pytest.mark.parametrize(
+    ("opt_name", "sparse_updates"),
+    # Dense Adam maths only without sparse updates (lazy Adam leaves untouched rows' moments alone);
+    # RowWiseAdagrad is exact with them, so the sparse row-wise step is replayed by the graph too.
+    [("adam", False), ("rowwise_adagrad", True)],
+)
+def test_cuda_parity_in_place_with_and_without_cuda_graphs(
+    cuda_graphs, opt_name, sparse_updates, lower_gpu_cache_dir, caplog
+):
     case = testing.REFERENCE_CASES["embedding_bag"]
     model = case.build(seed=0).cuda()
-    optimizer = testing.make_optimizer("adam", model.parameters())
-    ref, ref_opt = testing.clone_pair(model, "adam")
+    optimizer = testing.make_optimizer(opt_name, model.parameters())
+    ref, ref_opt = testing.clone_pair(model, opt_name)
     step = capture_train_step(model, optimizer, case.loss_fn, case.make_batch(0), overrides=case.overrides())
-    opts = lg.GPUOptions(cuda_graphs=cuda_graphs, cache_dir=lower_gpu_cache_dir)
+    opts = lg.GPUOptions(
+        cuda_graphs=cuda_graphs, sparse_updates=sparse_updates, cache_dir=lower_gpu_cache_dir
+    )
     compiled = lg.compile(step, device="cuda", options=opts)
     assert compiled.device.type == "cuda"
+    sparsified = compiled.step.meta["recir.embedding"].get("sparsify", {}).get("sparsified", [])
+    assert bool(sparsified) == sparse_updates, compiled.step.meta["recir.embedding"]
     state = compiled.init_state(model, optimizer)
     ptrs = [t.data_ptr() for t in state]
-    for i in range(STEPS):
-        batch = {k: v.cuda() for k, v in case.make_batch(i).items()}
-        state, outputs = compiled(state, batch)
-        ref_loss = testing.eager_step(ref, ref_opt, case.loss_fn, batch)
-        torch.testing.assert_close(outputs[0], ref_loss, rtol=RTOL, atol=ATOL)
+    with caplog.at_level(logging.INFO, logger="recir.lower_gpu"):
+        for i in range(STEPS):
+            batch = {k: v.cuda() for k, v in case.make_batch(i).items()}
+            state, outputs = compiled(state, batch)
+            ref_loss = testing.eager_step(ref, ref_opt, case.loss_fn, batch)
+            torch.testing.assert_close(outputs[0], ref_loss, rtol=RTOL, atol=ATOL)
+    # A capture failure falls back to running without graphs and only logs a warning: fail on it here.
+    assert "CUDA graph capture failed" not in caplog.text
+    graphs = compiled._cuda_graph
+    if cuda_graphs:
+        assert "captured the step as one CUDA graph" in caplog.text
+        assert graphs is not None and graphs.disabled_reason is None and graphs._graph is not None
+    else:
+        assert graphs is None and "CUDA graph" not in caplog.text
     assert [t.data_ptr() for t in state] == ptrs
     bad = testing.state_mismatches(
         compiled.state_dict(state), testing.eager_state_dict(ref, ref_opt), rtol=RTOL, atol=ATOL
