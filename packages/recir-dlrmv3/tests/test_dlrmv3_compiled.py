@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _dlrmv3_events import run_dirs, scalars
 from recir.dlrmv3 import TrainOptions, train
 from recir.dlrmv3._cli import main
 
@@ -85,4 +86,9 @@ def test_dlrmv3_gpu_target_trains(tmp_path):
     assert "recir.lower_gpu" in [x for x in lines if "compiled in" in x][0]
     assert len(result.losses) == 4
     assert all(math.isfinite(v) for v in result.losses + list(result.metrics.values()))
-    assert list((tmp_path / "tb").rglob("events.out.tfevents.*")), "no TensorBoard event file written"
+    (run,) = run_dirs(tmp_path / "tb")
+    tb = scalars(run)
+    assert [v for _, v in tb["train/loss"]] == pytest.approx(result.losses, rel=1e-6)
+    assert {k: v for k, ((_, v),) in ((k, tb[f"eval/{k}"]) for k in result.metrics)} == pytest.approx(
+        result.metrics, rel=1e-6
+    )

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from _dlrmv3_events import run_dirs, scalars
 from recir.dlrmv3 import TrainOptions, train
 from recir.dlrmv3._cli import main
 
@@ -38,7 +39,14 @@ def test_dlrmv3_eager_training_learns_the_debug_data(tmp_path):
     assert [x.split(" loss")[0] for x in lines if x.startswith("epoch")] == [
         f"epoch 0 step {s}" for s in (100, 200, 300, 400)
     ]
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    (run,) = run_dirs(tmp_path / "tb")
+    tb = scalars(run)
+    assert [v for _, v in tb["train/loss"]] == pytest.approx(result.losses, rel=1e-6)
+    assert [s for s, _ in tb["train/loss"]] == list(range(400))
+    for k, v in result.metrics.items():
+        assert tb[f"eval/{k}"] == [(400, pytest.approx(v, rel=1e-6))], k
+    printed_waste = float(lines[-1].split("padding waste ")[1].split("%")[0])
+    assert [(s, round(100 * v, 1)) for s, v in tb["train/padding_waste"]] == [(400, printed_waste)]
 
 
 def _run(args: list[str], **kw) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
@@ -68,7 +76,10 @@ def test_dlrmv3_cli_train_prints_the_contract_lines(tmp_path):
                                    "hash_size": 1000, "num_train_batches": 6, "log_every": 10}), log=lambda _: None)  # fmt: skip
     printed = [float(s.split()[5]) for s in steps]
     assert printed == pytest.approx(inline.losses, abs=2e-6)
-    assert list((tmp_path / "tb").iterdir())
+    (run,) = run_dirs(tmp_path / "tb")
+    tb = scalars(run)
+    assert [v for _, v in tb["train/loss"]] == pytest.approx(printed, abs=2e-6)
+    assert {"eval/vvp100/auc", "train/padding_waste"} <= set(tb)
 
 
 def test_dlrmv3_resume_after_sigkill_reproduces_the_losses(tmp_path):
