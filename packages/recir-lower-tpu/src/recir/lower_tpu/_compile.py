@@ -232,7 +232,8 @@ def compile(
     if verify_level() >= 1:
         verify(step, transform="recir.lower_tpu.compile")
     # recir-embedding's preparation (a copy; `step` is never mutated): sparse row-wise updates for
-    # tables, the embedding backend's kernels, and host-side (not in-graph) batch checks on TPU.
+    # tables and the embedding backend's kernels. It drops recir::check_jagged on TPU: no batch check
+    # runs in this step (a graph that keeps one gets the host-side io_callback of _host_checks.py).
     placement = placement_for(mesh, plan)
     row_sharded = _ring_shift.row_sharded_tables(plan) if placement.mesh is not None else {}
     step = prepare_for_lowering(
