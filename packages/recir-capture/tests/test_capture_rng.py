@@ -112,3 +112,17 @@ def test_capture_rng_bits_match_under_inductor_including_scalar_tails() -> None:
 
     key = torch.tensor(2**32 - 7)
     assert torch.equal(torch.compile(draw, fullgraph=True)(key), draw(key))
+
+
+def test_capture_rng_streams_of_successive_steps_are_uncorrelated() -> None:
+    from recir.capture._rng import step_key, uniform
+
+    seed = torch.tensor(7)
+    draws = [uniform(step_key(seed, torch.tensor(off)), 0, (50_000,), torch.float32) for off in range(4)]
+    for u in draws:
+        assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+        assert u.unique().numel() > 49_000  # one bijective mix per counter: (almost) no repeats
+    for a, b in zip(draws, draws[1:]):
+        assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.02
+        # the same values in another order would pass the correlation test: they must differ as sets
+        assert not torch.equal(a.sort().values, b.sort().values)

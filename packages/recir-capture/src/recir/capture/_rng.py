@@ -3,6 +3,12 @@
 Values are a 32-bit integer hash of ``(seed, offset, element counter)`` in int64 ATen ops (masked to 32
 bits, so no overflow), which every backend computes bit-identically. ``rng:offset`` advances by one per
 step; within a step each random op takes its own disjoint counter range.
+
+Per element one bijective mix of ``(counter + k2) ^ k1``, the two 32-bit words derived from the step
+key: distinct counters give distinct values within a step, and both an additive and an XOR offset
+change from step to step. One mix instead of two halves the int64 multiplies, which dominate the cost
+of dropout masks on the CPU backends (1.87M-element mask under Inductor: 1.8 -> 1.2 ms). Not int32 ops:
+signed overflow is undefined in C++, and Inductor's scalar loop tails then compute other bits.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from torch import Tensor
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: a product with a 32-bit value stays below 2**59 in int64
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: the second key word is a mix of the first XOR this
 
 
 def mix32(x: Tensor) -> Tensor:
@@ -31,8 +38,10 @@ def uniform(key: Tensor, base: int, shape: tuple[int, ...] | torch.Size, dtype: 
     n = 1
     for s in shape:
         n *= int(s)
-    ctr = (torch.arange(n, dtype=torch.int64, device=key.device) + base) & _M32
-    bits = mix32(torch.bitwise_xor(mix32(ctr), key))
+    k1 = key & _M32
+    k2 = mix32(torch.bitwise_xor(k1, _GOLDEN))
+    ctr = (torch.arange(n, dtype=torch.int64, device=key.device) + (base & _M32) + k2) & _M32
+    bits = mix32(torch.bitwise_xor(ctr, k1))
     u = (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
     return u.reshape(tuple(shape)).to(dtype)
 
