@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dlrmv3_output import messages
 from recir.dlrmv3._cli import main
 
 TINY = dict(batch_size=4, embedding_dim=16, num_layers=1, num_heads=2, uih_len=8, num_candidates=3,
@@ -121,9 +122,9 @@ def test_dlrmv3_resume_refuses_a_checkpoint_that_does_not_fit(tmp_path, capsys):
     # ... and --allow_fresh_slots accepts them: eager's per-parameter Adam steps become the captured
     # step's shared optim:step, so without dropout the resumed run continues the eager run exactly.
     assert main(_train(ckpt, 5, 5, *NO_DROPOUT, "--resume", "--allow_fresh_slots=rng:*", "--log_every=1", target="eager-graph")) == 0  # fmt: skip
-    resumed = [float(x.split()[5]) for x in capsys.readouterr().out.splitlines() if x.startswith("epoch")]
+    resumed = [float(x.split()[5]) for x in messages(capsys.readouterr().out) if x.startswith("epoch")]
     assert main(_train(tmp_path / "ref", 5, 0, *NO_DROPOUT, "--log_every=1")) == 0
-    reference = [float(x.split()[5]) for x in capsys.readouterr().out.splitlines() if x.startswith("epoch")]
+    reference = [float(x.split()[5]) for x in messages(capsys.readouterr().out) if x.startswith("epoch")]
     assert resumed == pytest.approx(reference[2:], rel=1e-5, abs=1e-6), (resumed, reference)
 
     # With dropout the captured step has its own RNG slots, which an eager checkpoint lacks

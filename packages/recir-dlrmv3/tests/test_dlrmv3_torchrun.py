@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _dlrmv3_output import messages
 from _dlrmv3_workers import matches_one_eager_process
 
 # Tiny sizes; several candidates per sample (the ranks' halves differ in count and longest sequence).
@@ -39,9 +40,11 @@ def test_dlrmv3_torchrun_two_compiled_ranks_train_like_one_eager_process(tmp_pat
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, check=False)
     out = run.stdout
     assert run.returncode == 0, (out + run.stderr)[-4000:]
-    compiled = [line for line in out.splitlines() if line.startswith("train step compiled in")]
+    compiled = [line for line in messages(out) if line.startswith("train step compiled in")]
     assert len(compiled) == 1, out  # rank 0 logs, rank 1 stays silent
     assert "recir.lower_gpu.compile" in compiled[0] and "2 rank(s), parallel dp" in compiled[0], compiled
-    losses = [float(x) for x in re.findall(r"^epoch \d+ step \d+ loss (\S+)", out, flags=re.M)]
+    losses = [
+        float(x) for x in re.findall(r"^epoch \d+ step \d+ loss (\S+)", "\n".join(messages(out)), flags=re.M)
+    ]
 
     matches_one_eager_process(tmp_path, FLAGS, losses, ckpt / f"step-{STEPS}", state_rtol=1e-4)

@@ -1,14 +1,19 @@
 """`train` on the eager target: it learns the debug data, logs, writes TensorBoard events, resumes
 exactly after a SIGKILL, and every bad input is a clear error with a non-zero exit."""
 
+import dataclasses
+import io
+import logging
 import math
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-from _dlrmv3_events import run_dirs, scalars
+from _dlrmv3_events import hparams, run_dirs, scalars, text
+from _dlrmv3_output import LOG_LINE, messages
 from recir.dlrmv3 import TrainOptions, train
 from recir.dlrmv3._cli import main
 
@@ -39,12 +44,30 @@ def test_dlrmv3_eager_training_learns_the_debug_data(tmp_path):
     assert [x.split(" loss")[0] for x in lines if x.startswith("epoch")] == [
         f"epoch 0 step {s}" for s in (100, 200, 300, 400)
     ]
-    (run,) = run_dirs(tmp_path / "tb")
+    (run,) = run_dirs(tmp_path / "tb")  # one sub-folder per run, named by its start time and target
+    assert run.parent == tmp_path / "tb" and re.fullmatch(r"\d{8}-\d{6}-eager", run.name), run
+    assert f"tensorboard: {run}" in lines
     tb = scalars(run)
     assert [v for _, v in tb["train/loss"]] == pytest.approx(result.losses, rel=1e-6)
-    assert [s for s, _ in tb["train/loss"]] == list(range(400))
+    assert [s for s, _ in tb["train/loss"]] == list(range(1, 401))  # the console's step numbers
     for k, v in result.metrics.items():
         assert tb[f"eval/{k}"] == [(400, pytest.approx(v, rel=1e-6))], k
+    logged = [x for x in lines if x.startswith("epoch")]
+    assert [s for s, _ in tb["perf/ms_per_step"]] == [100, 200, 300, 400]
+    assert [round(v, 1) for _, v in tb["perf/ms_per_step"]] == [
+        float(x.split("(")[1].split()[0]) for x in logged
+    ]
+    assert [v for _, v in tb["perf/samples_per_second"]] == pytest.approx(
+        [16_000 / v for _, v in tb["perf/ms_per_step"]], rel=1e-5
+    )
+    assert tb["perf/compile_seconds"] == [(1, pytest.approx(result.compile_seconds, abs=1e-6))]
+    assert tb["train/lr/dense"] == [(s, pytest.approx(1e-3)) for s in (100, 200, 300, 400)]
+    assert tb["train/lr/tables"] == [(s, pytest.approx(1e-3)) for s in (100, 200, 300, 400)]
+    config, metric_tags = hparams(run)
+    assert config["embedding_dim"] == 32 and config["target"] == "eager" and config["mesh"] == "none"
+    assert config["lr"] == pytest.approx(1e-3) and set(config) == {f.name for f in dataclasses.fields(opts)}
+    assert sorted(metric_tags) == sorted(f"eval/{k}" for k in result.metrics)
+    assert "| embedding_dim | 32 |" in text(run, "config")
     printed_waste = float(lines[-1].split("padding waste ")[1].split("%")[0])
     assert [(s, round(100 * v, 1)) for s, v in tb["train/padding_waste"]] == [(400, printed_waste)]
 
@@ -60,7 +83,8 @@ def test_dlrmv3_cli_train_prints_the_contract_lines(tmp_path):
             "--num_eval_batches", "2", "--tensorboard_dir", str(tmp_path / "tb")]  # fmt: skip
     proc = _run(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout.splitlines()
+    assert all(LOG_LINE.match(line) for line in proc.stdout.splitlines()), proc.stdout  # time, level, message
+    out = messages(proc.stdout)
     assert sum(line.startswith("train step compiled in ") for line in out) == 1
     steps = [line for line in out if line.startswith("epoch 0 step ")]
     assert [s.split()[3] for s in steps] == ["1", "2", "3", "4", "5", "6"]
@@ -90,7 +114,7 @@ def test_dlrmv3_resume_after_sigkill_reproduces_the_losses(tmp_path):
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith("checkpoint step 6"):
+            if " INFO checkpoint step 6" in line:
                 break
         else:
             pytest.fail("the run ended before writing checkpoint 6")
@@ -155,3 +179,100 @@ def test_dlrmv3_console_script_exits_non_zero_on_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
         assert e.value.code == 0 and "usage: recir-dlrmv3 " + cmd in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--lr", "0"], "error: --lr must be a finite number > 0, got 0.0"),
+        (["train", "--lr", "-1"], "error: --lr must be a finite number > 0, got -1.0"),
+        (["train", "--lr", "nan"], "error: --lr must be a finite number > 0, got nan"),
+        (["train", "--sparse_lr", "0"], "error: --sparse_lr must be a finite number > 0, got 0.0"),
+        (["train", "--eval_every", "-1"], "error: --eval_every must be >= 0, got -1"),
+        (["train", "--input_dropout", "1"], "error: --input_dropout must be in [0, 1), got 1.0"),
+        (["parity", "--atol", "-1"], "error: --atol must be >= 0, got -1.0"),
+        (["parity", "--lr", "0"], "error: --lr must be a finite number > 0, got 0.0"),
+        (["parity", "--steps", "0"], "error: --steps must be >= 1, got 0"),
+    ],
+)
+def test_dlrmv3_bad_numeric_flags_are_one_error_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [message], err
+
+
+@pytest.fixture
+def _restore_logging():  # type: ignore[no-untyped-def]
+    # main() and setup_logging() configure the root logger: give the next tests the one they had
+    root, ours = logging.getLogger(), logging.getLogger("recir.dlrmv3")
+    before = (list(root.handlers), root.level, ours.level)
+    yield
+    for handler in root.handlers:
+        if handler not in before[0]:
+            handler.close()
+    root.handlers[:] = before[0]
+    root.setLevel(before[1])
+    ours.setLevel(before[2])
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_dlrmv3_version_and_log_flags(tmp_path, capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"recir-dlrmv3 {version('recir-dlrmv3')}"
+
+    log_file = tmp_path / "run.log"
+    args = [
+        "train",
+        "--target",
+        "eager",
+        "--num_train_batches",
+        "2",
+        "--log_every",
+        "1",
+        "--log_file",
+        str(log_file),
+    ]
+    args += [f"--{k}={v}" for k, v in TINY.items()]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert messages(out)[0].startswith("train step compiled in ") and messages(out)[-1].startswith("done:")
+    assert [m.split(" loss")[0] for m in messages(out)[1:3]] == ["epoch 0 step 1", "epoch 0 step 2"]
+    assert log_file.read_text().splitlines() == out.splitlines()  # the same lines, time-stamped
+    assert main([*args, "--log_level", "warning"]) == 0
+    assert capsys.readouterr().out == ""  # INFO lines hidden; the file gets only what the console gets
+    assert log_file.read_text().splitlines() == out.splitlines()
+    assert main([*args, "--log_file", str(tmp_path / "no" / "such" / "dir.log")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --log_file {tmp_path}/no/such/dir.log: cannot open it")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.usefixtures("_restore_logging")
+@pytest.mark.parametrize("terminal", [True, False])
+def test_dlrmv3_progress_bar_on_a_terminal_only(terminal, monkeypatch):
+    from recir.dlrmv3._logs import Progress, log_info, setup_logging
+
+    # On a terminal stdout (log lines) and stderr (the bar) reach one screen: one stream here.
+    screen = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    setup_logging("info")
+    bar = Progress(total=4, initial=1)
+    for done in (2, 3):
+        bar.update(done, loss=0.25)
+        log_info(f"line {done}")
+    bar.close()
+    shown = screen.getvalue()
+    if terminal:  # the bar: position, elapsed<ETA, rate and the last loss
+        assert re.search(r"3/4 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+(step/s|s/step), loss 0\.2500\]", shown), shown
+        # each log line starts on a cleared line (tqdm's logging redirect), never glued to the bar
+        for done in (2, 3):
+            assert re.search(rf"[\r\n]\S+ \S+ INFO line {done}\n", shown), shown
+    else:  # plain log lines only
+        assert messages(shown) == ["line 2", "line 3"] and len(shown.splitlines()) == 2, shown

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from recir.transforms import RecIRError
+from recir.transforms import ConfigError, RecIRError
 
 from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, PARALLEL, PRECISIONS, TARGETS
 
@@ -72,6 +72,28 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     )
 
 
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    from ._logs import LEVELS
+
+    g = p.add_argument_group("logging")
+    g.add_argument(
+        "--log_level",
+        choices=LEVELS,
+        default="info",
+        help="level of recir-dlrmv3's own log lines; other libraries log from warning up (default %(default)s)",
+    )
+    g.add_argument("--log_file", default=None, help="also append the log lines to this file")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("recir-dlrmv3")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
+        return "unknown"
+
+
 def _patterns(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
@@ -82,10 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
     defaults["target"] = default_target()
     parser = argparse.ArgumentParser(prog="recir-dlrmv3", description="DLRMv3 (HSTU ranking) on RecIR.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train DLRMv3", description="Train DLRMv3 on one target.")
     _add_model_and_data(t, defaults)
+    _add_logging(t)
     r = t.add_argument_group("run")
     r.add_argument(
         "--num_train_batches", type=int, default=defaults["num_train_batches"], help="default %(default)s"
@@ -160,6 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parity_defaults = dict(defaults, target="gpu", input_dropout=0.0, layer_dropout=0.0, optimizer="adagrad")
     _add_model_and_data(pp, parity_defaults)
+    _add_logging(pp)
     pp.add_argument("--steps", type=int, default=3, help="steps to compare (default %(default)s)")
     pp.add_argument("--atol", type=float, default=1e-4, help="tolerance (default %(default)s)")
 
@@ -182,11 +207,24 @@ def _options(args: argparse.Namespace) -> object:
     return TrainOptions(**{k: v for k, v in vars(args).items() if k in names})
 
 
+def _setup_logging(level: str, log_file: str | None) -> None:
+    from ._logs import setup_logging
+
+    try:
+        setup_logging(level, log_file)
+    except OSError as e:
+        raise ConfigError(
+            f"--log_file {log_file}: cannot open it ({e.strerror}). Fix: pass a path in an existing, writable directory."
+        ) from e
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # TorchRec asks torch.fx whether it is tracing on every call; torch logs a warning about that API.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     try:
+        if args.command in ("train", "parity"):
+            _setup_logging(args.log_level, args.log_file)
         if args.command == "train":
             from ._train import train
 
@@ -202,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             from ._parity import run_parity
 
             if args.steps < 1:
-                print("error: --steps must be >= 1", file=sys.stderr)
+                print(f"error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
+                return 2
+            if not args.atol >= 0:  # NaN too
+                print(f"error: --atol must be >= 0, got {args.atol}", file=sys.stderr)
                 return 2
             _, ok = run_parity(_options(args), args.steps, atol=args.atol)  # type: ignore[arg-type]
             return 0 if ok else 1

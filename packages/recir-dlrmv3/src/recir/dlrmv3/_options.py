@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from recir.transforms import ConfigError
@@ -81,6 +82,13 @@ class TrainOptions:
         for key in ("num_workers", "eval_every", "checkpoint_every", "num_threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"--{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("lr", "sparse_lr"):
+            value = getattr(self, key)
+            if not (value > 0 and math.isfinite(value)):  # NaN fails both
+                raise ConfigError(f"--{key} must be a finite number > 0, got {value}")
+        for key in ("input_dropout", "layer_dropout"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"--{key} must be in [0, 1), got {getattr(self, key)}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint_every needs --checkpoint_dir")
         from ._config import PARALLEL, PRECISIONS

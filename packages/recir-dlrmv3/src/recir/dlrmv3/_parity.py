@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._logs import log_info
 from ._optim import shared_step_layout
 from ._options import TrainOptions
 from ._train import build
@@ -98,7 +99,7 @@ def compare_states(eager: Mapping[str, torch.Tensor], compiled: Mapping[str, tor
 
 
 def run_parity(
-    opts: TrainOptions, steps: int, log: Callable[[str], None] = print, atol: float = 1e-4
+    opts: TrainOptions, steps: int, log: Callable[[str], None] = log_info, atol: float = 1e-4
 ) -> tuple[list[ParityRow], bool]:
     """Trains `steps` steps both ways; returns the rows and whether every difference is <= atol."""
     model_e, data, opt_e = build(opts)

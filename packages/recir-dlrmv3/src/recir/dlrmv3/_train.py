@@ -5,7 +5,6 @@ checkpoints with exact resume (state, data position = global step, RNG).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,12 +15,14 @@ from recir.transforms import ConfigError
 
 from ._batch import Batch, PaddingStats
 from ._data import Data, make_data, train_batches
+from ._logs import Progress, log_info
 from ._metrics import MetricAccumulator
 from ._model import DLRMv3
 from ._optim import make_optimizers
 from ._options import TrainOptions
 from ._parallel import check_batch_split, local_batch
 from ._resume import checkpoint_meta, open_checkpoints, restore, resume_point
+from ._tensorboard import learning_rates, open_writer, write_hparams
 from ._trainers import Trainer, make_trainer
 
 
@@ -65,24 +66,6 @@ def _format_metrics(metrics: dict[str, float]) -> str:
     return " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
-class _Progress:
-    """A one-line progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.enabled = total, sys.stderr.isatty() and total > 0
-
-    def update(self, done: int) -> None:
-        if self.enabled:
-            width = 30
-            filled = int(width * done / max(self.total, 1))
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-
-
 def _setup_parallel(opts: TrainOptions) -> tuple[int, int, Any]:
     """(rank, data-parallel size, TPU mesh or None): starts the process group for --parallel on the GPU
     path, or joins the multi-process JAX job (rank = JAX process index, the batch stays global)."""
@@ -112,10 +95,6 @@ def _local_batches(data: Data, start: int, stop: int, rank: int, world: int) -> 
         yield local_batch(data, step, rank, world)
 
 
-def _print(line: str) -> None:
-    print(line, flush=True)
-
-
 def _silent(line: str) -> None:
     del line
 
@@ -139,8 +118,9 @@ def _checkpoint(
         sync_processes(f"recir-dlrmv3-checkpoint-{done}")
 
 
-def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResult:
-    """Runs `opts.num_train_batches` global steps (fewer when resuming) and evaluates at the end."""
+def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainResult:
+    """Runs `opts.num_train_batches` global steps (fewer when resuming) and evaluates at the end.
+    `log` gets each line (default: INFO on the `recir.dlrmv3` logger)."""
     resumed = resume_point(opts)  # checkpoint dir, checksums and configuration: before anything is built
     model, data, optimizers = build(opts)
     rank, world, mesh = _setup_parallel(opts)
@@ -165,12 +145,11 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
         restore(trainer, resumed[0], opts)
         log(f"resumed from step {start} ({resumed[0]})")
     writer = None
-    if opts.tensorboard_dir and rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(opts.tensorboard_dir, purge_step=start)
+    if opts.tensorboard_dir and rank == 0:  # scalars at the console's step numbers (steps done)
+        writer = open_writer(opts.tensorboard_dir, opts)
+        log(f"tensorboard: {writer.log_dir}")
     result = TrainResult(start_step=start)
-    progress = _Progress(opts.num_train_batches if rank == 0 else 0)
+    progress = Progress(opts.num_train_batches if rank == 0 else 0, start)
     window_t, window_n, timed_t, timed_n = time.perf_counter(), 0, 0.0, 0
     batches = (
         _local_batches(data, start, opts.num_train_batches, rank, world)
@@ -186,18 +165,25 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
         if step == start:
             result.compile_seconds = trainer.compile_seconds
             log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description})")
+            if writer is not None:
+                writer.add_scalar("perf/compile_seconds", trainer.compile_seconds, step + 1)
             window_t, window_n = time.perf_counter(), 0
         else:
             timed_t, timed_n, window_n = timed_t + dt, timed_n + 1, window_n + 1
         if not math.isfinite(loss):
             raise ConfigError(f"step {step}: the loss is {loss}; lower --lr or check the data")
         result.losses.append(loss)
-        if writer is not None:
-            writer.add_scalar("train/loss", loss, step)
         done = step + 1
+        if writer is not None:
+            writer.add_scalar("train/loss", loss, done)
         if done % opts.log_every == 0:
             ms = 1000 * (time.perf_counter() - window_t) / window_n if window_n else 1000 * dt
             log(f"epoch {step // data.batches_per_epoch} step {done} loss {loss:.6f} ({ms:.1f} ms/step)")
+            if writer is not None:
+                writer.add_scalar("perf/ms_per_step", ms, done)
+                writer.add_scalar("perf/samples_per_second", 1000 * opts.batch_size / max(ms, 1e-9), done)
+                for group, lr in learning_rates(model, optimizers).items():
+                    writer.add_scalar(f"train/lr/{group}", lr, done)
             window_t, window_n = time.perf_counter(), 0
         if opts.eval_every and done % opts.eval_every == 0 and done < opts.num_train_batches:
             metrics = evaluate(trainer, data, opts.num_eval_batches)
@@ -207,7 +193,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
                     writer.add_scalar(f"eval/{k}", v, done)
         if opts.checkpoint_every and done % opts.checkpoint_every == 0:
             _checkpoint(opts, trainer, done, parallel, checkpoints, log)
-        progress.update(done)
+        progress.update(done, loss)
     progress.close()
     if world > 1:  # padding waste over the global batches, not rank 0's slices only
         import torch.distributed as dist
@@ -220,6 +206,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = _print) -> TrainResul
         for k, v in result.metrics.items():
             writer.add_scalar(f"eval/{k}", v, opts.num_train_batches)
         writer.add_scalar("train/padding_waste", data.stats.waste, opts.num_train_batches)
+        write_hparams(writer, opts, result.metrics)
         writer.close()
     if timed_n:
         result.ms_per_step = 1000 * timed_t / timed_n
