@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from _dlrmv3_events import run_dirs, scalars
+from _dlrmv3_output import messages
 from recir.dlrmv3 import TrainOptions, train
 from recir.dlrmv3._cli import main
 
@@ -46,7 +47,7 @@ def test_dlrmv3_parity_tpu(capsys):
     assert main(["parity", "--target", "tpu", "--steps", "3", *FLAGS]) == 0
     out = capsys.readouterr().out
     assert "parity OK" in out and "compared" in out
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    rows = [line.split() for line in messages(out) if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1", "2", "3"]
     assert all(float(r[3]) < 1e-5 and float(r[4]) < 1e-4 and float(r[5]) < 1e-4 for r in rows)
     # the same run past a tolerance no float32 path meets exits non-zero
