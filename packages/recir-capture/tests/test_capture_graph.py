@@ -382,3 +382,23 @@ def test_capture_graph_gradient_penalty_double_backward() -> None:
         step.state_dict(state), testing.eager_state_dict(ref, ref_opt), rtol=1e-4, atol=1e-5
     )
     assert not bad, bad
+
+
+def test_capture_graph_scopes_name_the_module_of_every_phase() -> None:
+    from recir.transforms import SCOPE_KEY
+
+    model = testing.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = capture_train_step(model, opt, lambda m, b: m(b["x"]).pow(2).mean(), {"x": torch.randn(4, 8)})
+    scopes: dict[str, set[str]] = {p: set() for p in PHASES}
+    for node in step.graph.nodes:
+        if node.op == "call_function":
+            scopes[node.meta[PHASE_KEY]].add(node.meta.get(SCOPE_KEY, "?"))
+    mm = {n.meta[SCOPE_KEY] for n in step.graph.nodes if n.target == torch.ops.aten.addmm.default}
+    assert mm == {"fc1", "fc2", "out"}  # each forward product is its Linear's
+    assert {"fc1", "fc2", "out"} <= scopes["forward"]
+    # backward: the weight gradients read the modules' inputs and weights
+    grads = {n.meta[SCOPE_KEY] for n in step.graph.nodes if n.meta.get("recir.grad_of")}
+    assert grads == {"fc1", "fc2", "out"}
+    # optimizer: the parameter's module
+    assert scopes["optimizer"] <= {"fc1", "fc2", "out", ""} and {"fc1", "fc2", "out"} <= scopes["optimizer"]

@@ -228,6 +228,9 @@ def _finish_graph(
 ) -> list[StateSlot]:
     graph = gm.graph
     post.tag_phases(graph, rec.marks, rec.param_ranges)
+    assert rec.ctx is not None
+    grads = {node: slot for slot, node in rec.grad_nodes.items() if node is not None}
+    post.tag_scopes(graph, rec.ctx.scope_marks, rec.marks["backward"], [s.name for s in slots], grads)
     for slot, node in rec.grad_nodes.items():
         if node is not None:
             node.meta[post.GRAD_OF_KEY] = slot

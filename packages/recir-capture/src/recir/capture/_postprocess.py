@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from recir.transforms import OVERRIDE_KEY, PHASE_KEY, CaptureError, override_for_op
+from recir.transforms import OVERRIDE_KEY, PHASE_KEY, SCOPE_KEY, CaptureError, override_for_op
 
 GRAD_OF_KEY = "recir.grad_of"
 OPTIM_PARAM_KEY = "recir.optim_param"
@@ -35,6 +35,59 @@ def tag_phases(graph: fx.Graph, marks: dict[str, int], param_ranges: Sequence[tu
         for node in nodes[start:end]:
             if node.op not in ("placeholder", "output"):
                 node.meta[OPTIM_PARAM_KEY] = slot
+
+
+def tag_scopes(
+    graph: fx.Graph,
+    marks: Sequence[tuple[int, str]],
+    backward_start: int,
+    state_names: Sequence[str],
+    grad_nodes: dict[fx.Node, str],
+) -> None:
+    """``recir.scope`` on every compute node. Forward: the module that was running when the node was
+    traced (``marks``: node counts at module entries/exits). Backward: the module of the nearest
+    parameter gradient it feeds (``grad_nodes``: gradient node -> parameter slot). Optimizer: its
+    parameter's module."""
+    nodes = list(graph.nodes)
+    scopes: dict[fx.Node, str] = {}
+    j, current = 0, ""
+    for i, node in enumerate(nodes[:backward_start]):
+        while j < len(marks) and marks[j][0] <= i:
+            current = marks[j][1]
+            j += 1
+        if node.op not in ("placeholder", "output"):
+            scopes[node] = current
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for node, slot in zip(placeholders, state_names):  # the state slots come first
+        for prefix in ("param:", "buffer:"):
+            if slot.startswith(prefix):
+                scopes[node] = slot[len(prefix) :].rpartition(".")[0]
+    # optimizer: the parameter's module
+    for node in nodes[backward_start:]:
+        param = node.meta.get(OPTIM_PARAM_KEY)
+        if param is not None and node.op == "call_function":
+            scopes[node] = str(param).split(":", 1)[-1].rpartition(".")[0]
+    # backward: the module of the nearest parameter gradient the node feeds (users first, so walk back)
+    nearest: dict[fx.Node, tuple[int, str]] = {}
+    for node, slot in grad_nodes.items():
+        nearest[node] = (0, slot.split(":", 1)[-1].rpartition(".")[0])
+    backward = [n for n in nodes[backward_start:] if n.op == "call_function" and n not in scopes]
+    for node in reversed(backward):
+        if node in nearest:
+            continue
+        reach = [nearest[u] for u in node.users if u in nearest]
+        if reach:
+            d, scope = min(reach, key=lambda r: r[0])
+            nearest[node] = (d + 1, scope)
+    for node in backward:
+        if node in nearest:
+            scopes[node] = nearest[node][1]
+        else:  # feeds no gradient (e.g. a metric): the forward values it reads
+            inputs = [scopes[a] for a in node.all_input_nodes if a in scopes]
+            scopes[node] = max(inputs, key=len) if inputs else ""
+    for node, scope in scopes.items():
+        if node.op == "call_function":
+            node.meta[SCOPE_KEY] = scope
 
 
 def drop_identity_nodes(graph: fx.Graph) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from recir.transforms import CaptureError
 from torch import Tensor, nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 
 from . import _rng
@@ -45,6 +46,9 @@ class TraceContext:
 
     def __init__(self, batch_names: dict[int, str], rng_key: Callable[[], Tensor]) -> None:
         self.module_stack: list[str] = []
+        # (graph node count, module path) at every module entry and exit: nodes traced from then on
+        # compute for that module (postprocess.tag_scopes reads them by position)
+        self.scope_marks: list[tuple[int, str]] = []
         self.batch_names = batch_names
         self._rng_key_fn = rng_key
         self._rng_key: Tensor | None = None
@@ -191,15 +195,24 @@ class CaptureFunctionMode(TorchFunctionMode):
 def track_modules(ctx: TraceContext, root: nn.Module) -> Iterator[None]:
     """Keep ``ctx.module_stack`` as the path of the module running now (left as-is when one raises)."""
     paths = {id(m): (p or "<root>") for p, m in root.named_modules(remove_duplicate=False)}
+    mode = get_proxy_mode()
+    graph = mode.tracer.graph if mode is not None else None
+
+    def mark() -> None:
+        if graph is not None:
+            scope = ctx.module_stack[-1] if ctx.module_stack else ""
+            ctx.scope_marks.append((len(graph.nodes), "" if scope == "<root>" else scope))
 
     def pre(module: nn.Module, args: Any) -> None:
         path = paths.get(id(module))
         if path is not None:
             ctx.module_stack.append(path)
+            mark()
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in paths and ctx.module_stack:
             ctx.module_stack.pop()
+            mark()
 
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)

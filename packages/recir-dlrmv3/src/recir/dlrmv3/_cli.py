@@ -145,6 +145,16 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--process_id", type=int, default=None, help="multi-host: this process's id, 0..N-1")
     r.add_argument("--tensorboard_dir", default=None, help="write TensorBoard scalars here")
     r.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile --profile_steps steps after the compile step: a JAX (TPU path) or torch profiler "
+        "trace in DIR, and a table of the time per StepGraph region (TPU path) or per operator",
+    )
+    r.add_argument(
+        "--profile_steps", type=int, default=3, help="steps --profile covers (default %(default)s)"
+    )
+    r.add_argument(
         "--checkpoint_dir",
         default=None,
         help="write DCP checkpoints here (refused when it holds another run's, unless --resume or --overwrite)",

@@ -37,6 +37,9 @@ class TrainOptions:
     eval_every: int = 0
     num_eval_batches: int = 16
     tensorboard_dir: str | None = None
+    # profile --profile_steps steps after the compile step into this directory, then print where time goes
+    profile: str | None = None
+    profile_steps: int = 3
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
@@ -76,7 +79,13 @@ class TrainOptions:
         )
 
     def check(self) -> None:
-        for key in ("num_train_batches", "log_every", "num_eval_batches", "keep_checkpoints"):
+        for key in (
+            "num_train_batches",
+            "log_every",
+            "num_eval_batches",
+            "keep_checkpoints",
+            "profile_steps",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
         for key in ("num_workers", "eval_every", "checkpoint_every", "num_threads"):

@@ -21,6 +21,7 @@ from ._model import DLRMv3
 from ._optim import make_optimizers
 from ._options import TrainOptions
 from ._parallel import check_batch_split, local_batch
+from ._profile import StepProfiler
 from ._resume import checkpoint_meta, open_checkpoints, restore, resume_point
 from ._tensorboard import learning_rates, open_writer, write_hparams
 from ._trainers import Trainer, make_trainer
@@ -156,12 +157,21 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         if world > 1
         else train_batches(data, start, opts.num_train_batches, opts.num_workers)
     )
+    profiler = (
+        StepProfiler(opts.profile, opts.target, trainer, start + 1, opts.profile_steps, log)
+        if opts.profile and rank == 0
+        else None
+    )
     for step, batch in enumerate(batches, start):
         data.stats.add(batch)
+        if profiler is not None:
+            profiler.before(step)
         t0 = time.perf_counter()
         loss_t, _ = trainer.step(batch)
         loss = float(loss_t)
         dt = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.after(step)
         if step == start:
             result.compile_seconds = trainer.compile_seconds
             log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description})")
@@ -195,6 +205,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
             _checkpoint(opts, trainer, done, parallel, checkpoints, log)
         progress.update(done, loss)
     progress.close()
+    if profiler is not None:
+        profiler.close()  # a run shorter than the profiled window
     if world > 1:  # padding waste over the global batches, not rank 0's slices only
         import torch.distributed as dist
 

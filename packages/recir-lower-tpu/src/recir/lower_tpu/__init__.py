@@ -9,6 +9,7 @@ from ._compile import TPUOptions as TPUOptions
 from ._compile import compile as compile
 from ._multihost import initialize_distributed as initialize_distributed
 from ._multihost import sync_processes as sync_processes
+from ._profile import node_seconds as node_seconds
 from ._registry import register_jax_lowering as register_jax_lowering
 from ._registry import registered_jax_lowerings as registered_jax_lowerings
 
@@ -22,6 +23,8 @@ __all__ = [
     # multi-process (multi-host) JAX
     "initialize_distributed",
     "sync_processes",
+    # profiles: seconds per StepGraph node from a jax.profiler trace
+    "node_seconds",
     # lowerings of ops
     "register_jax_lowering",
     "registered_jax_lowerings",

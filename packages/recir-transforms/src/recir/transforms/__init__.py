@@ -56,6 +56,9 @@ from ._pipeline import TransformRecord as TransformRecord
 from ._pipeline_text import format_transform as format_transform
 from ._pipeline_text import parse_pipeline as parse_pipeline
 from ._pipeline_text import parse_transform as parse_transform
+from ._profile import RegionTime as RegionTime
+from ._profile import format_region_table as format_region_table
+from ._profile import region_times as region_times
 from ._region import Region as Region
 from ._region import RegionTransform as RegionTransform
 from ._region import regions_by_id as regions_by_id
@@ -88,6 +91,9 @@ from ._step import (
 )
 from ._step import (
     REGION_KEY as REGION_KEY,
+)
+from ._step import (
+    SCOPE_KEY as SCOPE_KEY,
 )
 from ._step import (
     SHARDING_KEY as SHARDING_KEY,
@@ -149,6 +155,7 @@ __all__ = [
     "SHARDING_KEY",
     "OVERRIDE_KEY",
     "PROVENANCE_KEY",
+    "SCOPE_KEY",
     # transforms
     "Transform",
     "TransformResult",
@@ -181,6 +188,10 @@ __all__ = [
     "DeadCodeElimination",
     "CommonSubexpressionElimination",
     "MixedPrecision",
+    # profiles: time per StepGraph region
+    "RegionTime",
+    "region_times",
+    "format_region_table",
     "phase_split",
     "PHASE_SPLIT_KEY",
     # overrides

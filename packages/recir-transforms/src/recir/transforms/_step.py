@@ -22,6 +22,10 @@ REGION_KEY = "recir.region"
 SHARDING_KEY = "recir.sharding"
 OVERRIDE_KEY = "recir.override"
 PROVENANCE_KEY = "recir.provenance"
+#: The module path a node computes for (``layers.3.uvqk``; set by recir-capture, "" at the top level):
+#: forward nodes from the module running when they were traced, backward nodes from the forward values
+#: and parameters they read, optimizer nodes from their parameter. Profiles group time by it.
+SCOPE_KEY = "recir.scope"
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 #: Resolves the initial value of one state slot from a live model and optimizer, or returns None

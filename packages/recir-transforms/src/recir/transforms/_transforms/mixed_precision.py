@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from .._errors import ConfigError
-from .._step import PHASE_KEY, StepGraph
+from .._step import PHASE_KEY, SCOPE_KEY, StepGraph
 from .._transform import Transform, TransformResult, register_transform
 
 _aten = torch.ops.aten
@@ -118,6 +118,8 @@ class MixedPrecision(Transform):
                 )
             node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
             back.meta.update({PHASE_KEY: node.meta[PHASE_KEY], "val": _val(node).to(torch.float32)})
+            if SCOPE_KEY in node.meta:
+                back.meta[SCOPE_KEY] = node.meta[SCOPE_KEY]
             name = str(node.target.overloadpacket.__name__)
             rewritten[name] = rewritten.get(name, 0) + 1
         for src in reversed(list(casts)):  # fp32 views only the products read are dead now
@@ -146,5 +148,7 @@ class MixedPrecision(Transform):
             low = graph.create_node("call_function", target, args, kwargs, name=f"{src.name}_{suffix}")
         fake = [_val(a) if isinstance(a, fx.Node) else a for a in args]
         low.meta.update({PHASE_KEY: user.meta[PHASE_KEY], "val": target(*fake, **kwargs)})
+        if SCOPE_KEY in user.meta:
+            low.meta[SCOPE_KEY] = user.meta[SCOPE_KEY]
         memo[src] = low
         return low

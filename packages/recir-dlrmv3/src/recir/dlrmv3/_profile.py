@@ -1,0 +1,76 @@
+"""`train --profile DIR`: a few steps after the compile step under the target's profiler, then a table of
+where a step's time goes.
+
+TPU path: a JAX profiler trace in DIR and the time per StepGraph region (module scope x phase, from
+`recir.scope` on the nodes; recir.lower_tpu.node_seconds maps the trace's XLA kernels to nodes). Other
+targets: a torch profiler trace (`DIR/trace.json`, Chrome format) and the time per operator/kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("recir.dlrmv3")
+
+
+class StepProfiler:
+    """Profiles steps `first .. first + steps - 1` (call `before`/`after` around every step)."""
+
+    def __init__(
+        self, directory: str, target: str, trainer: Any, first: int, steps: int, emit: Callable[[str], None]
+    ) -> None:
+        self.dir, self.target, self.trainer = Path(directory), target, trainer
+        self.first, self.last, self.emit = first, first + steps - 1, emit
+        self.done = 0
+        self._torch: Any = None
+        self._jax = False
+
+    def before(self, step: int) -> None:
+        if step != self.first:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.target == "tpu":
+            import jax
+
+            jax.profiler.start_trace(str(self.dir))
+            self._jax = True
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._torch = profile(activities=[ProfilerActivity.CPU])
+            self._torch.__enter__()
+
+    def after(self, step: int) -> None:
+        if self._jax or self._torch is not None:
+            self.done += 1
+            if step >= self.last:
+                self.close()
+
+    def close(self) -> None:
+        """Stops the profiler (if running) and emits the table; called at the end of training too."""
+        if self._jax:
+            import jax
+            from recir.lower_tpu import node_seconds
+            from recir.transforms import format_region_table, region_times
+
+            jax.profiler.stop_trace()
+            self._jax = False
+            seconds = node_seconds(self.trainer.compiled, self.dir)
+            table = format_region_table(region_times(self.trainer.graph, seconds), steps=self.done)
+            self._report(f"JAX profiler trace in {self.dir}", table)
+        elif self._torch is not None:
+            prof, self._torch = self._torch, None
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(str(self.dir / "trace.json"))
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            self._report(f"torch profiler trace in {self.dir / 'trace.json'}", table)
+
+    def _report(self, where: str, table: str) -> None:
+        self.emit(
+            f"profile of {self.done} step(s) (steps {self.first + 1}-{self.first + self.done}): {where}"
+        )
+        for line in table.splitlines():
+            self.emit(line)
