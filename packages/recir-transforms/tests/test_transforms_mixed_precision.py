@@ -114,6 +114,10 @@ def test_mixed_precision_negative_options():
         MixedPrecision(phases=("forward", "optimizer")).run(step)
     # only backward: the forward products stay fp32
     assert not MixedPrecision(phases=("backward",)).run(step).changed
+    with pytest.raises(ConfigError, match="names matmul"):
+        MixedPrecision(ops=("mm", "matmul")).run(step)
+    assert not MixedPrecision(ops=("bmm",)).run(step).changed  # the step has mm products only
+    assert MixedPrecision(ops=("mm",)).run(step).stats["mm"] == 2
     assert (
         str(Pipeline([MixedPrecision(compute_dtype="float16")]))
         == "recir-mixed-precision{compute_dtype=float16}"

@@ -77,12 +77,21 @@ class MixedPrecision(Transform):
     class Options:
         compute_dtype: str = "bfloat16"  # "bfloat16" | "float16"
         phases: tuple[str, ...] = ("forward", "backward")
+        # which products run low: any of mm, bmm, addmm, baddbmm (a backend whose low-precision batched
+        # products are slow leaves bmm/baddbmm out)
+        ops: tuple[str, ...] = ("mm", "bmm", "addmm", "baddbmm")
 
     def requires(self, step: StepGraph) -> None:
         if self.options.compute_dtype not in _LOW:
             raise ConfigError(
                 f"{self.name}: compute_dtype={self.options.compute_dtype!r} is not supported. "
                 f"Fix: pass one of {', '.join(_LOW)}."
+            )
+        unknown = sorted(set(self.options.ops) - {op.overloadpacket.__name__ for op in _MATMULS})
+        if unknown:
+            raise ConfigError(
+                f"{self.name}: ops={self.options.ops!r} names {', '.join(unknown)}, which it does not "
+                "rewrite. Fix: choose from mm, bmm, addmm, baddbmm."
             )
         if "optimizer" in self.options.phases:
             raise ConfigError(
@@ -99,6 +108,8 @@ class MixedPrecision(Transform):
         for node in list(graph.nodes):
             positions = _MATMULS.get(node.target) if node.op == "call_function" else None
             if positions is None or node.meta.get(PHASE_KEY) not in self.options.phases:
+                continue
+            if node.target.overloadpacket.__name__ not in self.options.ops:
                 continue
             operands = [node.args[i] for i in positions]
             if not all(_val(a) is not None and _val(a).dtype == torch.float32 for a in operands):
