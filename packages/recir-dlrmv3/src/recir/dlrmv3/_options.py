@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from recir.transforms import ConfigError
 
@@ -98,6 +99,8 @@ class TrainOptions:
         for key in ("input_dropout", "layer_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"--{key} must be in [0, 1), got {getattr(self, key)}")
+        for key in ("checkpoint_dir", "tensorboard_dir", "profile"):
+            _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint_every needs --checkpoint_dir")
         from ._config import PARALLEL, PRECISIONS
@@ -132,3 +135,19 @@ class TrainOptions:
                 "--resume and --overwrite contradict each other: --overwrite starts a new run, deleting the "
                 f"checkpoints in {self.checkpoint_dir}; --resume continues one. Fix: pass one of them."
             )
+
+
+def _check_directory(key: str, value: str | None) -> None:
+    """--`key` names a directory the run creates or writes into: refuse one that is, or lies under, a
+    file before any work (the run would fail at its first write). Reads only."""
+    if value is None:
+        return
+    path = Path(value)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == path else f"lies under the file {part}"
+                raise ConfigError(
+                    f"--{key} {value} {what}, not a directory. Fix: pass a directory path (created if missing)."
+                )
+            return

@@ -44,8 +44,10 @@ def parse_mesh(text: str) -> Any:
     axes: dict[str, int] = {}
     for part in text.split(","):
         name, eq, size = part.strip().partition("=")
-        if not eq or not size.strip().isdigit():
-            raise ConfigError(f"--mesh {text!r}: expected NAME=SIZE[,NAME=SIZE], e.g. --mesh data=8")
+        if not eq or not size.strip().isdigit() or int(size) < 1:
+            raise ConfigError(
+                f"--mesh {text!r}: expected NAME=SIZE[,NAME=SIZE], SIZE >= 1, e.g. --mesh data=8"
+            )
         axes[name.strip()] = int(size)
     return rd.Mesh(axes=axes)
 
