@@ -53,6 +53,12 @@ def _movielens(tmp: Path, text: str) -> Path:
     return tmp / "data"
 
 
+def _raw(tmp: Path, name: str, data: bytes) -> Path:
+    (tmp / "raw").mkdir()
+    (tmp / "raw" / name).write_bytes(data)
+    return tmp / "raw"
+
+
 def _row(n: int = 12, ratings: str | None = None, times: str | None = None) -> str:
     ids = ",".join(str(i + 1) for i in range(n))
     return _ML_ROW.format(
@@ -135,6 +141,17 @@ CLI: list[tuple[str, Argv, list[str]]] = [
     ("prepare kuairand without logs",
      lambda t, c: ["prepare", "--dataset", "kuairand-1k", "--raw_dir", str(t), "--data_dir", str(t)],
      ["no KuaiRand log files (log_*.csv)", "{t}"]),
+    ("data file not text",
+     lambda t, c: ["train", "--dataset", "movielens-20m", "--data_dir", str(_raw(t, "sasrec_format.csv", b"\xff\xfe\x00"))],
+     ["sasrec_format.csv: not a readable CSV file", "can't decode byte 0xff"]),
+    ("prepare with a garbled ratings.dat",
+     lambda t, c: ["prepare", "--dataset", "movielens-1m", "--raw_dir", str(_raw(t, "ratings.dat", b"1,2,3\n")),
+                   "--data_dir", str(t / "out")],
+     ["ratings.dat:1: expected 4 fields (user, movie, rating, timestamp) separated by '::'", "got '1,2,3'"]),
+    ("prepare with a KuaiRand log missing columns",
+     lambda t, c: ["prepare", "--dataset", "kuairand-1k", "--raw_dir", str(_raw(t, "log_standard.csv", b"a,b\n")),
+                   "--data_dir", str(t / "out")],
+     ["log_standard.csv:1: header is missing column(s) user_id", "is_click"]),
     # checkpoints
     ("resume from no checkpoint", lambda t, c: ["train", "--resume", str(t / "nothing")] + _TINY_ARGS,
      ["--resume {t}/nothing", "no complete checkpoint"]),
