@@ -58,8 +58,9 @@ class StepProfiler:
 
             jax.profiler.stop_trace()
             self._jax = False
-            seconds = node_seconds(self.trainer.compiled, self.dir)
-            table = format_region_table(region_times(self.trainer.graph, seconds), steps=self.done)
+            compiled = self.trainer.compiled  # its step: the graph as lowered (a plan's rewrites included)
+            seconds = node_seconds(compiled, self.dir)
+            table = format_region_table(region_times(compiled.step, seconds), steps=self.done)
             self._report(f"JAX profiler trace in {self.dir}", table)
         elif self._torch is not None:
             prof, self._torch = self._torch, None
