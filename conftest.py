@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-# Tests verify after every transform (DESIGN.md: RECIR_VERIFY=2 is the test default).
+# Tests verify after every transform (docs/design.md: RECIR_VERIFY=2 is the test default).
 os.environ.setdefault("RECIR_VERIFY", "2")
 
 

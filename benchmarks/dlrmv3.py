@@ -1,6 +1,6 @@
 """DLRMv3 training speed: ms/step (min and median over rounds), samples/s, peak RSS and compile seconds
 of eager PyTorch, the GPU path and the TPU path, in fp32 and bf16, at the configurations of
-shared/DLRMV3.md; ratios against the reference loop's figures there and against eager measured here.
+docs/dlrmv3-reference.md; ratios against the reference loop's figures there and against eager measured here.
 
 Not a test. Each (configuration, target, precision) runs in its own process, so its peak RSS is its
 own. Full-size compiles are slow on a small CPU (the GPU path's Inductor C++ compile takes minutes
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-# UIH length -> (batch, the reference loop's ms/step with 2 threads, like for like, from DLRMV3.md).
+# UIH length -> (batch, the reference loop's ms/step with 2 threads, like for like, from docs/dlrmv3-reference.md).
 # The reference's max_seq_len counts the 2 contextual tokens and the 10 candidates: UIH 64 == its 76.
 # 1024: not measured like for like yet; 3690 ms is its figure at max_seq_len 1024 (UIH about 1012), a
 # slightly smaller workload, so the ratio printed against it errs against RecIR.
@@ -92,7 +92,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="eager,gpu,tpu", help="comma-separated (default %(default)s)")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default %(default)s)")
-    p.add_argument("--configs", default="64,256,1024", help="UIH lengths of DLRMV3.md (default %(default)s)")
+    p.add_argument(
+        "--configs",
+        default="64,256,1024",
+        help="UIH lengths of docs/dlrmv3-reference.md (default %(default)s)",
+    )
     p.add_argument("--embedding_dim", type=int, default=512)
     p.add_argument("--num_layers", type=int, default=5)
     p.add_argument("--num_heads", type=int, default=4)
@@ -117,7 +121,7 @@ def main() -> None:
 
     print(f"{args.threads} thread(s), dim {args.embedding_dim}, {args.num_layers} layers, "
           f"{args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over {args.rounds} "
-          f"rounds of {args.steps} steps; 'vs ref' = reference loop ms / ours (DLRMV3.md, 2 threads)")  # fmt: skip
+          f"rounds of {args.steps} steps; 'vs ref' = reference loop ms / ours (docs/dlrmv3-reference.md, 2 threads)")  # fmt: skip
     head = (
         f"{'uih':>5} {'batch':>5} {'target':>6} {'prec':>5} {'compile s':>9} {'min ms':>8} {'median ms':>9}"
     )

@@ -1,4 +1,4 @@
-"""Model sizes and per-dataset feature layouts (tables, contextual features, tasks) from DLRMV3.md.
+"""Model sizes and per-dataset feature layouts (tables, contextual features, tasks) from docs/dlrmv3-reference.md.
 
 A `DatasetSpec` is plain data: it names the embedding tables and which features share them, so the
 model, the batch format and every loader agree on one layout.

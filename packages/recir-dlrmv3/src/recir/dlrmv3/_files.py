@@ -13,7 +13,7 @@ from recir.transforms import DataError
 from ._batch import Sample
 from ._config import KUAIRAND_RANGE_FEATURES, DatasetSpec
 
-MAX_CANDIDATES = 10  # the last 10 events of a user are the candidates (DLRMV3.md)
+MAX_CANDIDATES = 10  # the last 10 events of a user are the candidates (docs/dlrmv3-reference.md)
 
 MOVIELENS_COLUMNS = ("index", "user_id", "sequence_item_ids", "sequence_ratings", "sequence_timestamps")
 MOVIELENS_1M_USER_COLUMNS = ("sex", "age_group", "occupation", "zip_code")

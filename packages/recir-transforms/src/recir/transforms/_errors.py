@@ -1,6 +1,6 @@
 """RecIR's exception hierarchy, shared by every package (this is the leaf package).
 
-Each error says what failed, expected versus actual, and how to fix it (STYLE.md).
+Each error says what failed, expected versus actual, and how to fix it (docs/design.md, "Errors and tests").
 """
 
 from __future__ import annotations
