@@ -37,6 +37,11 @@ def tag_phases(graph: fx.Graph, marks: dict[str, int], param_ranges: Sequence[tu
                 node.meta[OPTIM_PARAM_KEY] = slot
 
 
+def _module_of(slot: str) -> str:
+    """``param:layers.0.uvqk.weight`` -> ``layers.0.uvqk`` (the module that owns the tensor)."""
+    return slot.split(":", 1)[-1].rpartition(".")[0]
+
+
 def tag_scopes(
     graph: fx.Graph,
     marks: Sequence[tuple[int, str]],
@@ -59,18 +64,17 @@ def tag_scopes(
             scopes[node] = current
     placeholders = [n for n in nodes if n.op == "placeholder"]
     for node, slot in zip(placeholders, state_names):  # the state slots come first
-        for prefix in ("param:", "buffer:"):
-            if slot.startswith(prefix):
-                scopes[node] = slot[len(prefix) :].rpartition(".")[0]
+        if slot.startswith(("param:", "buffer:")):
+            scopes[node] = _module_of(slot)
     # optimizer: the parameter's module
     for node in nodes[backward_start:]:
         param = node.meta.get(OPTIM_PARAM_KEY)
         if param is not None and node.op == "call_function":
-            scopes[node] = str(param).split(":", 1)[-1].rpartition(".")[0]
+            scopes[node] = _module_of(str(param))
     # backward: the module of the nearest parameter gradient the node feeds (users first, so walk back)
     nearest: dict[fx.Node, tuple[int, str]] = {}
     for node, slot in grad_nodes.items():
-        nearest[node] = (0, slot.split(":", 1)[-1].rpartition(".")[0])
+        nearest[node] = (0, _module_of(slot))
     backward = [n for n in nodes[backward_start:] if n.op == "call_function" and n not in scopes]
     for node in reversed(backward):
         if node in nearest:
