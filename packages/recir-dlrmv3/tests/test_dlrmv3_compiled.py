@@ -64,8 +64,15 @@ def _gpu_path_parity(capsys, backend: str | None) -> None:  # type: ignore[no-un
 
 
 @pytest.mark.gpu
-def test_dlrmv3_parity_gpu_on_cuda(capsys):
-    _gpu_path_parity(capsys, "fbgemm")
+@pytest.mark.parametrize("backend", ["in_graph", "fbgemm"])
+def test_dlrmv3_parity_gpu_on_cuda(capsys, backend):
+    from recir.embedding._ops import fbgemm_has_cuda
+
+    if backend == "fbgemm" and not fbgemm_has_cuda():
+        pytest.skip(
+            "FBGEMM without CUDA kernels is installed (fbgemm-gpu-cpu); the fbgemm backend needs fbgemm-gpu"
+        )
+    _gpu_path_parity(capsys, backend)
 
 
 @pytest.mark.slow

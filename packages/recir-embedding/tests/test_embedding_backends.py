@@ -101,6 +101,23 @@ def test_backends_refuse_where_they_cannot_run(helpers, monkeypatch):
         prepare_for_lowering(step, backend="fbgemm", target="gpu")
 
 
+def test_fbgemm_on_cuda_needs_fbgemm_cuda_kernels(helpers, monkeypatch):
+    # Only FBGEMM's CPU build: CUDA defaults to in_graph, and asking for fbgemm on CUDA names the fix.
+    from recir.embedding import _ops
+    from recir.embedding._backends import default_backend
+
+    _, _, step, _ = _captured(helpers, "sgd")
+    monkeypatch.setattr(_ops, "fbgemm_has_cuda", lambda: False)
+    assert default_backend("gpu", "cuda") == "in_graph"
+    with pytest.raises(
+        ConfigError, match="fbgemm' on CUDA needs FBGEMM's CUDA kernels.*recir-embedding\\[gpu\\]"
+    ):
+        prepare_for_lowering(step, backend="fbgemm", target="gpu", device="cuda")
+    monkeypatch.setattr(_ops, "fbgemm_has_cuda", lambda: True)
+    assert default_backend("gpu", "cuda") == "fbgemm"
+    assert default_backend("gpu", "cpu") == "in_graph"
+
+
 def test_keep_checks_overrides_the_default(helpers):
     _, _, step, _ = _captured(helpers, "sgd")
 

@@ -46,11 +46,12 @@ _SEQ_OPS = {_SEQ, torch.ops.recir.fbgemm_embedding.default, torch.ops.recir.torc
 
 
 def default_backend(target: str, device: Any = None) -> str:
-    """``fbgemm`` for a CUDA GPU target, ``in_graph`` elsewhere (CPU, TPU)."""
+    """``fbgemm`` for a CUDA GPU target when FBGEMM's CUDA build is installed, ``in_graph`` elsewhere
+    (CPU, TPU, and CUDA with only ``fbgemm-gpu-cpu`` or no FBGEMM at all)."""
     if target == "gpu":
         dev = torch.device(device) if device is not None else None
         cuda = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
-        if cuda:
+        if cuda and _ops.fbgemm_has_cuda():
             return "fbgemm"
     return "in_graph"
 
@@ -73,6 +74,12 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
         _ops._fbgemm()  # ImportError naming the extra to install
         if dev is not None and dev.type not in ("cpu", "cuda"):
             raise ConfigError(f"embedding backend 'fbgemm' runs on cpu or cuda, not {dev.type!r}")
+        if dev is not None and dev.type == "cuda" and not _ops.fbgemm_has_cuda():
+            raise ConfigError(
+                "embedding backend 'fbgemm' on CUDA needs FBGEMM's CUDA kernels, and the installed FBGEMM "
+                "has none (fbgemm-gpu-cpu, the CPU build). Fix: install recir-embedding[gpu] "
+                "(fbgemm-gpu built for this torch and CUDA), or use embedding_backend='in_graph'."
+            )
     if backend == "torchrec":
         try:
             import torchrec  # noqa: F401
@@ -195,8 +202,8 @@ def prepare_for_lowering(
 ) -> StepGraph:
     """The StepGraph a lowering compiles: sparse row-wise updates, then the chosen embedding backend.
 
-    ``backend``: ``fbgemm`` | ``torchrec`` | ``in_graph`` | ``ring_shift`` | None (``fbgemm`` on CUDA,
-    ``in_graph`` elsewhere); ``target``: ``gpu`` | ``tpu``; ``device``: the torch device (GPU path).
+    ``backend``: ``fbgemm`` | ``torchrec`` | ``in_graph`` | ``ring_shift`` | None (``fbgemm`` on CUDA
+    with FBGEMM's CUDA build, ``in_graph`` elsewhere); ``target``: ``gpu`` | ``tpu``; ``device``: the torch device (GPU path).
     ``keep_checks``: keep the ``recir::check_jagged`` nodes (run-time id/length checks raising DataError);
     None keeps them on the gpu target while checks are enabled and drops them on tpu (validate batches
     on the host there). Drop them (False) for CUDA graphs: the check reads the ids on the host.

@@ -112,6 +112,19 @@ def _fbgemm() -> None:
         ) from e
 
 
+def fbgemm_has_cuda() -> bool:
+    """Whether the installed FBGEMM has CUDA kernels (the `fbgemm-gpu` build, not `fbgemm-gpu-cpu`)."""
+    try:
+        _fbgemm()
+    except ImportError:
+        return False
+    return bool(
+        torch._C._dispatch_has_kernel_for_dispatch_key(
+            "fbgemm::dense_embedding_codegen_lookup_function", "CUDA"
+        )
+    )
+
+
 def _tbe_lookup(weight: Tensor, ids: Tensor, offsets: Tensor, pooling_mode: int) -> Tensor:
     _fbgemm()
     rows, dim = weight.shape
