@@ -235,3 +235,14 @@ def test_capture_errors_loss_independent_of_parameters_warns() -> None:
     with pytest.warns(UserWarning, match="no gradient"):
         step = capture_train_step(model, _sgd(model), loss_fn, _batch())
     assert step.phase_counts()["optimizer"] == 0
+
+
+def test_batch_on_another_device_than_the_model_names_both_and_the_fix():
+    # (A CUDA model with a CPU example batch, seen on a GPU machine; the meta device stands in here.)
+    model = nn.Linear(8, 1, device="meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        CaptureError,
+        match=r"batch's leaf 'x' is on cpu, but the model's parameters are on meta.*Fix: move",
+    ):
+        capture_train_step(model, opt, _loss, _batch())

@@ -85,7 +85,8 @@ def test_cuda_parity_in_place_with_and_without_cuda_graphs(
     model = case.build(seed=0).cuda()
     optimizer = testing.make_optimizer(opt_name, model.parameters())
     ref, ref_opt = testing.clone_pair(model, opt_name)
-    step = capture_train_step(model, optimizer, case.loss_fn, case.make_batch(0), overrides=case.overrides())
+    example = {k: v.cuda() for k, v in case.make_batch(0).items()}
+    step = capture_train_step(model, optimizer, case.loss_fn, example, overrides=case.overrides())
     opts = lg.GPUOptions(
         cuda_graphs=cuda_graphs, sparse_updates=sparse_updates, cache_dir=lower_gpu_cache_dir
     )

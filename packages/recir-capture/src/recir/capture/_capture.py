@@ -83,6 +83,7 @@ def capture_train_step(
     lrs = group_learning_rates(optimizer)
     slots = state_slots(params, buffers, trainable, len(lrs))
     bslots, batch_tensors, batch_spec = batch_slots(example_batch)
+    _check_one_device(params, bslots, batch_tensors)
     index = {s.name: i for i, s in enumerate(slots)}
     rec = Recorder()
 
@@ -279,3 +280,20 @@ def _optimizer_meta(
             "step_slot": STEP_SLOT if spec.needs_step and STEP_SLOT in names else None,
         }
     return meta
+
+
+def _check_one_device(
+    params: Sequence[tuple[str, torch.Tensor]], bslots: Sequence[Any], batch: Sequence[Any]
+) -> None:
+    """The example batch must live where the parameters live (tracing mixes no devices)."""
+    devices = {p.device for _, p in params}
+    if len(devices) != 1:
+        return  # no parameters, or a model spread over devices on purpose: tracing reports what fails
+    (where,) = devices
+    for slot, t in zip(bslots, batch):
+        if isinstance(t, torch.Tensor) and t.device != where:
+            raise CaptureError(
+                f"the example batch's leaf {slot.name!r} is on {t.device}, but the model's parameters are on {where}. "
+                f"Fix: move the batch to {where} before capture (e.g. {{k: v.to('{where}') for k, v in "
+                "batch.items()}), or the model to the batch's device."
+            )
