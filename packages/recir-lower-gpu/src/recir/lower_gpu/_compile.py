@@ -126,8 +126,17 @@ def compile(
             "Fix: set cuda_graphs=False or in_place=True."
         )
     started = time.perf_counter()
+    if use_graphs:
+        log.info(
+            "recir.lower_gpu: CUDA graphs on: the run-time id checks (recir::check_jagged) are dropped, "
+            "they read ids on the host; validate batches before the step"
+        )
     prepared, backend = apply_embedding_backend(
-        step, embedding_backend, dev, sparse_updates=options.sparse_updates
+        step,
+        embedding_backend,
+        dev,
+        sparse_updates=options.sparse_updates,
+        keep_checks=False if use_graphs else None,
     )
     gm = copy_graph_module(prepared.graph_module)
     retarget_devices(gm, dev)

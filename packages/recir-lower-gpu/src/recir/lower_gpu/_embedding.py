@@ -12,13 +12,24 @@ from recir.transforms import StepGraph
 
 
 def apply_embedding_backend(
-    step: StepGraph, backend: str | None, device: torch.device, *, sparse_updates: bool = True
+    step: StepGraph,
+    backend: str | None,
+    device: torch.device,
+    *,
+    sparse_updates: bool = True,
+    keep_checks: bool | None = None,
 ) -> tuple[StepGraph, str]:
-    """The step with ``backend`` applied for ``device`` (never mutates ``step``) and the backend's name."""
+    """The step with ``backend`` applied for ``device`` (never mutates ``step``) and the backend's name.
+    ``keep_checks=False`` drops the run-time id checks (they read ids on the host: no CUDA graphs)."""
     from recir.embedding import default_backend, prepare_for_lowering
 
     prepared = prepare_for_lowering(
-        step, backend=backend, target="gpu", device=device, sparse_updates=sparse_updates
+        step,
+        backend=backend,
+        target="gpu",
+        device=device,
+        sparse_updates=sparse_updates,
+        keep_checks=keep_checks,
     )
     report = prepared.meta.get("recir.embedding", {})
     return prepared, str(report.get("backend", backend or default_backend("gpu", device)))
