@@ -24,16 +24,25 @@ import time
 PEERS = {64: (16, 674.0), 256: (16, 2472.0), 1024: (4, 3690.0)}
 
 
+def _device(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
 def _one(args: argparse.Namespace) -> dict[str, float]:
     """One (configuration, target, precision) in this process: warm-up (compile), then timed rounds."""
     import resource
 
     import torch
     from recir.dlrmv3 import TrainOptions
+    from recir.dlrmv3._model import loss_fn
     from recir.dlrmv3._train import build
     from recir.dlrmv3._trainers import make_trainer
 
-    batch = PEERS.get(args.uih, (16, math.nan))[0]
+    batch = args.batch_size or PEERS.get(args.uih, (16, math.nan))[0]
+    device = _device(args.device)
+    cuda = device == "cuda"
     opts = TrainOptions(
         target=args.target,
         batch_size=batch,
@@ -52,22 +61,48 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     model, data, optimizers = build(opts)
     example = data.train_batch(0)
     started = time.perf_counter()
+    # "torch.compile": the eager loop with torch.compile(loss_fn) (forward and, via AOTAutograd,
+    # backward compiled; torch.optim's update eager), what a PyTorch user reaches for first.
+    # "gpu+graphs": the GPU path replaying the whole step as one CUDA graph (CUDA only).
+    target = {"torch.compile": "eager", "gpu+graphs": "gpu"}.get(args.target, args.target)
+    options = None
+    if args.target == "gpu+graphs":
+        from recir.lower_gpu import GPUOptions
+
+        options = GPUOptions(cuda_graphs=True)
     trainer = make_trainer(
-        args.target, model, optimizers, example, args.embedding_backend, precision=args.precision
+        target,
+        model,
+        optimizers,
+        example,
+        args.embedding_backend,
+        precision=args.precision,
+        device=device,
+        compile_options=options,
     )
-    for step in range(args.warmup):
-        trainer.step(data.train_batch(step))
+    if args.target == "torch.compile":
+        trainer.loss_fn = torch.compile(loss_fn)  # type: ignore[attr-defined]
+
+    def batches(start: int, n: int) -> list:
+        out = [data.train_batch(start + i) for i in range(n)]
+        return [b.to(device) for b in out] if cuda else out  # host-to-device copies outside the timing
+
+    for b in batches(0, args.warmup):
+        trainer.step(b)
     first = time.perf_counter() - started
     rounds = []
     for r in range(args.rounds):
-        batches = [data.train_batch(args.warmup + r * args.steps + i) for i in range(args.steps)]
+        todo = batches(args.warmup + r * args.steps, args.steps)
+        if cuda:
+            torch.cuda.synchronize()
         started = time.perf_counter()
-        for b in batches:
+        for b in todo:
             loss, _ = trainer.step(b)
-        float(loss)  # wait for asynchronous backends
+        float(loss)  # wait for asynchronous backends (and the CUDA stream)
         rounds.append((time.perf_counter() - started) / args.steps * 1000)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
+        "device_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan,
         "min_ms": min(rounds),
         "median_ms": statistics.median(rounds),
         "samples_s": batch / (statistics.median(rounds) / 1000),
@@ -81,6 +116,7 @@ def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str)
     keep = ("embedding_dim", "num_layers", "num_heads", "num_candidates", "hash_size", "threads", "steps",
             "rounds", "warmup", "input_dropout", "layer_dropout")  # fmt: skip
     out = [sys.executable, __file__, "--one", "--uih", str(uih), "--target", target, "--precision", precision]
+    out += ["--device", args.device, "--batch_size", str(args.batch_size)]
     for k in keep:
         out += [f"--{k}", str(getattr(args, k))]
     if args.embedding_backend:
@@ -90,7 +126,18 @@ def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", default="eager,gpu,tpu", help="comma-separated (default %(default)s)")
+    p.add_argument(
+        "--targets",
+        default="eager,gpu,tpu",
+        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), tpu (default %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where eager and torch.compile run, and the GPU path compiles (auto: CUDA when present)",
+    )
+    p.add_argument("--batch_size", type=int, default=0, help="0: the reference figures' batch per UIH")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default %(default)s)")
     p.add_argument(
         "--configs",
@@ -109,6 +156,9 @@ def main() -> None:
     p.add_argument("--input_dropout", type=float, default=0.2)
     p.add_argument("--layer_dropout", type=float, default=0.1)
     p.add_argument("--embedding_backend", default=None)
+    p.add_argument(
+        "--timeout", type=float, default=0, help="seconds per row (0: none); a row over it prints 'failed'"
+    )
     # one measurement in this process (what the parent runs per row)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--uih", type=int, default=64, help=argparse.SUPPRESS)
@@ -119,35 +169,50 @@ def main() -> None:
         print("RESULT " + json.dumps(_one(args)), flush=True)
         return
 
-    print(f"{args.threads} thread(s), dim {args.embedding_dim}, {args.num_layers} layers, "
-          f"{args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over {args.rounds} "
-          f"rounds of {args.steps} steps; 'vs ref' = reference loop ms / ours (docs/dlrmv3-reference.md, 2 threads)")  # fmt: skip
+    import torch
+
+    device = _device(args.device)
+    print(f"device {device}, {args.threads} CPU thread(s), torch {torch.__version__}, dim {args.embedding_dim}, "
+          f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over "
+          f"{args.rounds} rounds of {args.steps} steps; 'vs ref' = reference loop ms / ours "
+          "(docs/dlrmv3-reference.md: 2 CPU threads, so CPU runs only)")  # fmt: skip
     head = (
-        f"{'uih':>5} {'batch':>5} {'target':>6} {'prec':>5} {'compile s':>9} {'min ms':>8} {'median ms':>9}"
+        f"{'uih':>5} {'batch':>5} {'target':>13} {'prec':>5} {'compile s':>9} {'min ms':>8} {'median ms':>9}"
     )
-    print(f"{head} {'samples/s':>9} {'RSS GiB':>7} {'vs ref':>7} {'vs eager':>8}")
+    mem = "GPU GiB" if device == "cuda" else "RSS GiB"
+    print(f"{head} {'samples/s':>9} {mem:>7} {'vs ref':>7} {'vs eager':>8}")
     for uih in (int(x) for x in args.configs.split(",")):
         batch, peer = PEERS.get(uih, (16, math.nan))
-        peer = peer if args.threads == 2 else math.nan
+        batch = args.batch_size or batch
+        like_for_like = args.threads == 2 and device == "cpu" and batch == PEERS.get(uih, (0,))[0]
+        peer = peer if like_for_like else math.nan
         eager: dict[str, float] = {}
         for precision in args.precisions.split(","):
             for target in args.targets.split(","):
-                run = subprocess.run(
-                    _child_args(args, uih, target, precision), capture_output=True, text=True
-                )
+                row = f"{uih:>5} {batch:>5} {target:>13} {precision:>5}"
+                try:
+                    run = subprocess.run(
+                        _child_args(args, uih, target, precision),
+                        capture_output=True,
+                        text=True,
+                        timeout=args.timeout or None,
+                    )
+                except subprocess.TimeoutExpired:
+                    print(f"{row}  failed: over --timeout {args.timeout} s", flush=True)
+                    continue
                 lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
                 if run.returncode != 0 or not lines:
-                    err = (run.stderr.strip().splitlines() or ["no output"])[-1]
-                    print(f"{uih:>5} {batch:>5} {target:>6} {precision:>5}  failed: {err[:100]}", flush=True)
+                    err = " | ".join(run.stderr.strip().splitlines()[-3:]) or "no output"
+                    print(f"{row}  failed: {err[-400:]}", flush=True)
                     continue
                 r = json.loads(lines[-1][len("RESULT ") :])
                 if target == "eager":
                     eager[precision] = r["median_ms"]
                 base = eager.get(precision, eager.get("fp32", math.nan))
+                used = r["device_peak_gib"] if device == "cuda" else r["peak_rss_gib"]
                 print(
-                    f"{uih:>5} {batch:>5} {target:>6} {precision:>5} {r['compile_s']:>9.1f} {r['min_ms']:>8.1f} "
-                    f"{r['median_ms']:>9.1f} {r['samples_s']:>9.1f} {r['peak_rss_gib']:>7.2f} "
-                    f"{peer / r['median_ms']:>6.2f}x {base / r['median_ms']:>7.2f}x",
+                    f"{row} {r['compile_s']:>9.1f} {r['min_ms']:>8.1f} {r['median_ms']:>9.1f} "
+                    f"{r['samples_s']:>9.1f} {used:>7.2f} {peer / r['median_ms']:>6.2f}x {base / r['median_ms']:>7.2f}x",
                     flush=True,
                 )
 

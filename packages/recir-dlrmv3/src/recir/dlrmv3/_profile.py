@@ -38,9 +38,13 @@ class StepProfiler:
             jax.profiler.start_trace(str(self.dir))
             self._jax = True
         else:
+            import torch
             from torch.profiler import ProfilerActivity, profile
 
-            self._torch = profile(activities=[ProfilerActivity.CPU])
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():  # the GPU path on CUDA (and eager there): kernel times too
+                activities.append(ProfilerActivity.CUDA)
+            self._torch = profile(activities=activities)
             self._torch.__enter__()
 
     def after(self, step: int) -> None:
@@ -64,9 +68,14 @@ class StepProfiler:
             self._report(f"JAX profiler trace in {self.dir}", table)
         elif self._torch is not None:
             prof, self._torch = self._torch, None
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(str(self.dir / "trace.json"))
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=25)
             self._report(f"torch profiler trace in {self.dir / 'trace.json'}", table)
 
     def _report(self, where: str, table: str) -> None:

@@ -37,22 +37,37 @@ class Trainer(Protocol):
 
 
 class EagerTrainer:
-    """Trains the live model with torch.optim; dropout draws from torch's global CPU generator."""
+    """Trains the live model with torch.optim on `device` (default the CPU; the benchmark passes CUDA
+    for an eager baseline on the GPU); dropout draws from that device's global torch generator."""
 
     def __init__(
-        self, model: DLRMv3, optimizers: list[torch.optim.Optimizer], precision: str = "fp32"
+        self,
+        model: DLRMv3,
+        optimizers: list[torch.optim.Optimizer],
+        precision: str = "fp32",
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.model, self.optimizers = model, optimizers
+        self.device = torch.device(device)
+        # Module.to moves each parameter's data in place, so the optimizers' references stay valid.
+        self.model, self.optimizers = model.to(self.device), optimizers
+        for opt in optimizers:  # state made at construction (RowWiseAdagrad's sums) follows the params;
+            for per_param in opt.state.values():  # 0-dim counters stay where torch.optim wants them
+                for k, v in per_param.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        per_param[k] = v.to(self.device)
         self.compile_seconds = 0.0
         self.checkpoint_plan = None
-        self.description = "eager PyTorch (nothing to compile)"
+        self.description = f"eager PyTorch on {self.device.type.upper()} (nothing to compile)"
         # bf16: torch.autocast, what an eager user runs (bf16 matrix products, fp32 weights)
         self.autocast = precision == "bf16"
+        self.loss_fn = loss_fn  # replaceable, e.g. by torch.compile(loss_fn) in benchmarks/dlrmv3.py
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         self.model.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-            loss, logits = loss_fn(self.model, batch)
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss, logits = self.loss_fn(self.model, batch)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -65,7 +80,7 @@ class EagerTrainer:
         state.update({f"buffer:{n}": b for n, b in self.model.named_buffers()})
         state.update(optimizer_state(self.model, self.optimizers))
         state[_RNG] = torch.get_rng_state()
-        return state
+        return {k: v.cpu() for k, v in state.items()} if self.device.type != "cpu" else state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         load_slots_into_model(self.model, state)
@@ -129,6 +144,7 @@ class CompiledTrainer:
         mesh: Any = None,
         parallel: str = "dp",
         precision: str = "fp32",
+        compile_options: Any = None,
     ) -> None:
         lowering = engine("gpu" if target == "eager-graph" else target)
         from recir.capture import capture_train_step
@@ -169,7 +185,8 @@ class CompiledTrainer:
                 f"parallel {parallel} ({plan.mode}), embedding backend {embedding_backend or 'default'}"
             )
         else:
-            self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend)
+            extra = {} if compile_options is None else {"options": compile_options}
+            self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend, **extra)
             self.description = f"{lowering.__name__}.compile on {_device_words(target)}, embedding backend {embedding_backend or 'default'}"
         self.state = self.compiled.init_state(model, opt)
         self._first = True
@@ -241,16 +258,20 @@ def make_trainer(
     parallel: str = "none",
     mesh: Any = None,
     precision: str = "fp32",
+    device: torch.device | str = "cpu",
+    compile_options: Any = None,
 ) -> Trainer:
     """`eager`, or the captured step on `target`; `parallel` other than `none` on the GPU path (`gpu`,
-    `eager-graph`) trains this rank's recir.distributed program (`example` is then this rank's batch)."""
+    `eager-graph`) trains this rank's recir.distributed program (`example` is then this rank's batch).
+    `device` places the eager trainer only; the GPU path picks CUDA itself when present.
+    `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the single-device lowering's compile()."""
     if target == "eager":
         if parallel != "none" or mesh is not None:
             raise ConfigError(
                 "--parallel / --mesh need the captured step. Fix: --target eager-graph (interpreted), "
                 "--target gpu (torchrun) or --target tpu --mesh data=N."
             )
-        return EagerTrainer(model, optimizers, precision)
+        return EagerTrainer(model, optimizers, precision, device)
     if target == "tpu" and mesh is not None:
         return CompiledTrainer(
             model, optimizers, example, target, embedding_backend, mesh, parallel, precision
@@ -265,4 +286,12 @@ def make_trainer(
         return DistributedTrainer(  # type: ignore[return-value]
             model, optimizers, example, target, embedding_backend, parallel, precision
         )
-    return CompiledTrainer(model, optimizers, example, target, embedding_backend, precision=precision)
+    return CompiledTrainer(
+        model,
+        optimizers,
+        example,
+        target,
+        embedding_backend,
+        precision=precision,
+        compile_options=compile_options,
+    )
