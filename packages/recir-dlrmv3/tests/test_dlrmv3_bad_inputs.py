@@ -111,7 +111,7 @@ CLI: list[tuple[str, Argv, list[str]]] = [
      ["--tensorboard_dir {c}/step-1/recir.json/tb lies under the file {c}/step-1/recir.json", "Fix: pass a directory"]),
     ("profile is a file", lambda t, c: ["train", "--profile", str(c / "step-1" / "recir.json")],
      ["--profile {c}/step-1/recir.json is a file", "Fix: pass a directory path"]),
-    ("parity steps 0", lambda t, c: ["parity", "--steps", "0"], ["--steps", ">= 1"]),
+    ("parity steps 0", lambda t, c: ["parity", "--steps", "0"], ["--num_train_batches", ">= 1"]),
     ("parity atol nan", lambda t, c: ["parity", "--atol", "nan"], ["--atol", ">= 0"]),
     ("log_file in a missing directory", lambda t, c: ["train", "--log_file", str(t / "no" / "run.log")],
      ["--log_file", "Fix: pass a path in an existing, writable directory"]),

@@ -181,6 +181,18 @@ def test_dlrmv3_console_script_exits_non_zero_on_errors(tmp_path, capsys):
         assert e.value.code == 0 and "usage: recir-dlrmv3 " + cmd in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("cmd", ["train", "parity"])
+def test_dlrmv3_help_imports_no_torch(cmd):
+    # --help lists the flags without importing torch (the default --target is resolved after parsing)
+    code = (
+        f"import sys\nfrom recir.dlrmv3._cli import main\ntry:\n    main(['{cmd}', '--help'])\n"
+        "except SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "--num_train_batches" in out and "--optimizer {reference,adam,adagrad}" in out.replace("\n", " ")
+    assert out.splitlines()[-1] == "False"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -192,7 +204,8 @@ def test_dlrmv3_console_script_exits_non_zero_on_errors(tmp_path, capsys):
         (["train", "--input_dropout", "1"], "error: --input_dropout must be in [0, 1), got 1.0"),
         (["parity", "--atol", "-1"], "error: --atol must be >= 0, got -1.0"),
         (["parity", "--lr", "0"], "error: --lr must be a finite number > 0, got 0.0"),
-        (["parity", "--steps", "0"], "error: --steps must be >= 1, got 0"),
+        (["parity", "--steps", "0"], "error: --num_train_batches must be >= 1, got 0"),
+        (["parity", "--num_train_batches", "0"], "error: --num_train_batches must be >= 1, got 0"),
     ],
 )
 def test_dlrmv3_bad_numeric_flags_are_one_error_line(argv, message, capsys):

@@ -7,8 +7,6 @@ import dataclasses
 import logging
 import sys
 
-from recir.transforms import ConfigError, RecIRError
-
 from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, PARALLEL, PRECISIONS, TARGETS
 
 
@@ -47,15 +45,17 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         "--optimizer",
         choices=OPTIMIZERS,
         default=d["optimizer"],
-        help="reference: dense Adam + row-wise Adagrad tables; adam / adagrad: one optimizer for all; "
-        "auto: reference on every target (default %(default)s)",
+        help="reference: dense Adam + row-wise Adagrad tables (the reference loop's); adam / adagrad: one "
+        "optimizer for all parameters (default %(default)s)",
     )
     c = p.add_argument_group("compilation")
     c.add_argument(
         "--target",
         choices=TARGETS,
         default=d["target"],
-        help="training path; eager-graph runs the captured step by its interpreter (default %(default)s)",
+        help="training path; eager-graph runs the captured step by its interpreter (default: "
+        + (d["target"] or "gpu on a CUDA machine, else tpu, the faster compile on a CPU")
+        + ")",
     )
     c.add_argument(
         "--embedding_backend",
@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     from ._options import TrainOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
-    defaults["target"] = default_target()
+    defaults["target"] = None  # default_target() after parsing: it imports torch, --help need not
     parser = argparse.ArgumentParser(prog="recir-dlrmv3", description="DLRMv3 (HSTU ranking) on RecIR.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,10 +192,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the same model and batches eagerly and through --target; print per-step "
         "loss / parameter / optimizer-state differences; exit 1 past --atol.",
     )
-    parity_defaults = dict(defaults, target="gpu", input_dropout=0.0, layer_dropout=0.0, optimizer="adagrad")
+    parity_defaults = dict(defaults, input_dropout=0.0, layer_dropout=0.0, optimizer="adagrad")
     _add_model_and_data(pp, parity_defaults)
     _add_logging(pp)
-    pp.add_argument("--steps", type=int, default=3, help="steps to compare (default %(default)s)")
+    pp.add_argument(
+        "--num_train_batches",
+        "--steps",
+        dest="steps",
+        type=int,
+        default=3,
+        help="steps to compare, the same flag as train's (--steps: its old name) (default %(default)s)",
+    )
     pp.add_argument("--atol", type=float, default=1e-4, help="tolerance (default %(default)s)")
 
     pr = sub.add_parser(
@@ -218,6 +225,8 @@ def _options(args: argparse.Namespace) -> object:
 
 
 def _setup_logging(level: str, log_file: str | None) -> None:
+    from recir.transforms import ConfigError
+
     from ._logs import setup_logging
 
     try:
@@ -230,6 +239,10 @@ def _setup_logging(level: str, log_file: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from recir.transforms import RecIRError
+
+    if getattr(args, "target", "") is None:
+        args.target = default_target()
     # TorchRec asks torch.fx whether it is tracing on every call; torch logs a warning about that API.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     try:
@@ -250,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             from ._parity import run_parity
 
             if args.steps < 1:
-                print(f"error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
+                print(f"error: --num_train_batches must be >= 1, got {args.steps}", file=sys.stderr)
                 return 2
             if not args.atol >= 0:  # NaN too
                 print(f"error: --atol must be >= 0, got {args.atol}", file=sys.stderr)

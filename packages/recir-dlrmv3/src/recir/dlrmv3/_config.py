@@ -7,8 +7,7 @@ model, the batch format and every loader agree on one layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from recir.transforms import ConfigError
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ TARGETS = ("eager", "eager-graph", "gpu", "tpu")
 PRECISIONS = ("fp32", "bf16")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
 EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
-OPTIMIZERS = ("auto", "reference", "adam", "adagrad")
+OPTIMIZERS = ("reference", "adam", "adagrad")
 DATASETS: tuple[str, ...] = ("debug", "debug-random", "movielens-1m", "movielens-20m", "kuairand-1k")
 KUAIRAND_RANGE_FEATURES = _KUAI_RANGES
 
@@ -134,7 +133,7 @@ def dataset_spec(name: str) -> DatasetSpec:
         return _movielens_spec(name)
     if name == "kuairand-1k":
         return _kuairand_spec()
-    raise ConfigError(f"unknown dataset {name!r}: expected one of {', '.join(DATASETS)}")
+    raise config_error(f"unknown dataset {name!r}: expected one of {', '.join(DATASETS)}")
 
 
 @dataclass(frozen=True)
@@ -164,14 +163,14 @@ class ModelConfig:
         }
         for key, value in checks.items():
             if value < 1:
-                raise ConfigError(f"--{key} must be >= 1, got {value}")
+                raise config_error(f"--{key} must be >= 1, got {value}")
         if self.embedding_dim % self.num_heads:
-            raise ConfigError(
+            raise config_error(
                 f"--embedding_dim {self.embedding_dim} must be divisible by --num_heads {self.num_heads}"
             )
         for key, p in (("input_dropout", self.input_dropout), ("layer_dropout", self.layer_dropout)):
             if not 0.0 <= p < 1.0:
-                raise ConfigError(f"--{key} must be in [0, 1), got {p}")
+                raise config_error(f"--{key} must be in [0, 1), got {p}")
 
     @property
     def head_dim(self) -> int:
@@ -184,3 +183,11 @@ class ModelConfig:
 
     def table_rows(self, table: TableSpec) -> int:
         return min(table.rows, self.hash_size)
+
+
+def config_error(message: str) -> Any:
+    """recir.transforms.ConfigError(message), imported on first use: the CLI's --help imports this module
+    and the options module, and recir.transforms imports torch (seconds)."""
+    from recir.transforms import ConfigError
+
+    return ConfigError(message)

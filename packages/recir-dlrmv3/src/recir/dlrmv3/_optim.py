@@ -43,10 +43,10 @@ def make_optimizers(
     - `reference`: dense Adam + row-wise Adagrad on the tables (two optimizers, as in the reference);
     - `adam`: one Adam, tables in a second param group (compiled paths update only the rows a batch
       touches, i.e. lazy Adam on the tables, so eager and compiled differ on untouched rows);
-    - `adagrad`: one Adagrad, tables in a second param group (row-sparse updates are exact);
-    - `auto`: `reference` on every target (capture takes the list of optimizers).
+    - `adagrad`: one Adagrad, tables in a second param group (row-sparse updates are exact).
+    (`auto`, the old default, meant `reference` on every target; checkpoints that record it resume.)
     """
-    del target  # every target trains the reference pair now
+    del target  # every target trains the reference pair
     if optimizer == "auto":
         optimizer = "reference"
     if optimizer not in OPTIMIZERS:

@@ -7,9 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from recir.transforms import ConfigError
-
-from ._config import ModelConfig
+from ._config import ModelConfig, config_error
 
 
 @dataclass
@@ -51,7 +49,7 @@ class TrainOptions:
     allow_fresh_slots: tuple[str, ...] = ()
     lr: float = 1e-3
     sparse_lr: float = 1e-3
-    optimizer: str = "auto"
+    optimizer: str = "reference"
     num_threads: int = 0
     parallel: str = "none"
     mesh: str | None = None
@@ -88,50 +86,50 @@ class TrainOptions:
             "profile_steps",
         ):
             if getattr(self, key) < 1:
-                raise ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
+                raise config_error(f"--{key} must be >= 1, got {getattr(self, key)}")
         for key in ("num_workers", "eval_every", "checkpoint_every", "num_threads"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"--{key} must be >= 0, got {getattr(self, key)}")
+                raise config_error(f"--{key} must be >= 0, got {getattr(self, key)}")
         for key in ("lr", "sparse_lr"):
             value = getattr(self, key)
             if not (value > 0 and math.isfinite(value)):  # NaN fails both
-                raise ConfigError(f"--{key} must be a finite number > 0, got {value}")
+                raise config_error(f"--{key} must be a finite number > 0, got {value}")
         for key in ("input_dropout", "layer_dropout"):
             if not 0 <= getattr(self, key) < 1:
-                raise ConfigError(f"--{key} must be in [0, 1), got {getattr(self, key)}")
+                raise config_error(f"--{key} must be in [0, 1), got {getattr(self, key)}")
         for key in ("checkpoint_dir", "tensorboard_dir", "profile"):
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
-            raise ConfigError("--checkpoint_every needs --checkpoint_dir")
+            raise config_error("--checkpoint_every needs --checkpoint_dir")
         from ._config import PARALLEL, PRECISIONS
 
         if self.precision not in PRECISIONS:
-            raise ConfigError(
+            raise config_error(
                 f"unknown --precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}"
             )
         if self.parallel not in PARALLEL:
-            raise ConfigError(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")
+            raise config_error(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")
         if self.mesh is not None and self.target != "tpu":
-            raise ConfigError(
+            raise config_error(
                 f"--mesh is the TPU path's flag (got --target {self.target}). Fix: --target tpu --mesh "
                 "data=N, or on the GPU path launch N processes with torchrun --nproc-per-node N --parallel dp."
             )
         if self.wants_multihost():
             if self.target != "tpu" or self.mesh is None:
-                raise ConfigError(
+                raise config_error(
                     "--multihost / --coordinator / --num_processes / --process_id join a multi-process JAX "
                     f"job on the TPU path (got --target {self.target}, --mesh {self.mesh}). Fix: add "
                     "--target tpu --mesh data=N, N the devices of all processes together; on the GPU path "
                     "use torchrun instead."
                 )
             if self.num_processes is not None and self.num_processes < 1:
-                raise ConfigError(f"--num_processes must be >= 1, got {self.num_processes}")
+                raise config_error(f"--num_processes must be >= 1, got {self.num_processes}")
         if self.resume == "latest" and not self.checkpoint_dir:
-            raise ConfigError("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")
+            raise config_error("--resume without a path needs --checkpoint_dir (or pass --resume PATH)")
         if self.overwrite and not self.checkpoint_dir:
-            raise ConfigError("--overwrite needs --checkpoint_dir (whose checkpoints it deletes)")
+            raise config_error("--overwrite needs --checkpoint_dir (whose checkpoints it deletes)")
         if self.overwrite and self.resume is not None:
-            raise ConfigError(
+            raise config_error(
                 "--resume and --overwrite contradict each other: --overwrite starts a new run, deleting the "
                 f"checkpoints in {self.checkpoint_dir}; --resume continues one. Fix: pass one of them."
             )
@@ -147,7 +145,7 @@ def _check_directory(key: str, value: str | None) -> None:
         if part.exists():
             if not part.is_dir():
                 what = "is a file" if part == path else f"lies under the file {part}"
-                raise ConfigError(
+                raise config_error(
                     f"--{key} {value} {what}, not a directory. Fix: pass a directory path (created if missing)."
                 )
             return

@@ -42,7 +42,7 @@ RESUME_FIELDS = (
 
 def run_config(opts: TrainOptions) -> dict[str, Any]:
     """The configuration a checkpoint records and a resume compares: RESUME_FIELDS, plus ModelConfig's
-    sizes that have no flag (as `model.<name>`), with `--optimizer auto` resolved."""
+    sizes that have no flag (as `model.<name>`), with `auto` (an older default) read as `reference`."""
     config: dict[str, Any] = {k: getattr(opts, k) for k in RESUME_FIELDS}
     if config["optimizer"] == "auto":
         config["optimizer"] = "reference"
