@@ -1,5 +1,6 @@
-"""Ranking metrics per task in torch: normalized entropy (NE), accuracy, AUC and GAUC (AUC per
-user, averaged weighted by the user's candidate count, over users with both label values).
+"""Ranking metrics per task: normalized entropy (NE), accuracy, AUC (torchmetrics' binary AUROC) and GAUC
+(AUC per user, averaged weighted by the user's candidate count, over users with both label values;
+vectorised over users: no library weights GAUC this way).
 """
 
 from __future__ import annotations
@@ -9,23 +10,23 @@ from dataclasses import dataclass, field
 import torch
 
 
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve with ties averaged (Mann-Whitney U); nan without both classes."""
-    scores, labels = scores.double().reshape(-1), labels.double().reshape(-1)
-    pos = labels.sum()
-    neg = labels.numel() - pos
-    if pos == 0 or neg == 0:
-        return float("nan")
-    order = torch.argsort(scores)
-    s = scores[order]
-    ranks = torch.empty_like(s)
-    ranks[order] = torch.arange(1, s.numel() + 1, dtype=torch.float64)
-    # average the ranks of tied scores
+def _dense_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Scores mapped order- and tie-preserving into [0, 1] (torchmetrics reads values outside it as
+    logits and applies a sigmoid, which saturates large logits into false ties)."""
     uniq, inverse = torch.unique(scores, return_inverse=True)
-    sums = torch.zeros(uniq.numel(), dtype=torch.float64).index_add_(0, inverse, ranks)
-    counts = torch.zeros(uniq.numel(), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(ranks))
-    avg = (sums / counts)[inverse]
-    return float(((avg * labels).sum() - pos * (pos + 1) / 2) / (pos * neg))
+    return inverse.double() / max(1, uniq.numel() - 1)
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (torchmetrics' exact binary AUROC, ties counted half); nan without both
+    classes."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    scores, labels = scores.double().reshape(-1), labels.reshape(-1)
+    pos = int((labels > 0).sum())
+    if pos == 0 or pos == labels.numel():
+        return float("nan")
+    return float(binary_auroc(_dense_ranks(scores), (labels > 0).long(), thresholds=None))
 
 
 def normalized_entropy(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -76,11 +77,30 @@ class MetricAccumulator:
 
 
 def _gauc(logits: torch.Tensor, labels: torch.Tensor, users: torch.Tensor) -> float:
-    total, weight = 0.0, 0.0
-    for u in torch.unique(users):
-        sel = users == u
-        a = auc(logits[sel], labels[sel])
-        if a == a:  # not nan: the user has both labels
-            n = float(sel.sum())
-            total, weight = total + a * n, weight + n
-    return total / weight if weight else float("nan")
+    """Mean per-user AUC weighted by the user's candidate count, over users with both labels: every user at
+    once (Mann-Whitney U per user from ranks within the user, ties averaged), O(n log n)."""
+    scores, labels = logits.double().reshape(-1), (labels.reshape(-1) > 0).double()
+    _, user = torch.unique(users.reshape(-1), return_inverse=True)
+    n_users = int(user.max()) + 1 if user.numel() else 0
+    # sort by (user, score): stable sorts, score first
+    order = torch.argsort(scores, stable=True)
+    order = order[torch.argsort(user[order], stable=True)]
+    u, s, lab = user[order], scores[order], labels[order]
+    count = torch.zeros(n_users, dtype=torch.float64).index_add_(0, u, torch.ones_like(s))
+    start = torch.cumsum(count, 0) - count  # first position of each user's block
+    rank = torch.arange(1, s.numel() + 1, dtype=torch.float64) - start[u]  # 1-based within the user
+    # average the ranks of equal (user, score) pairs
+    _, tie = torch.unique(torch.stack([u.double(), s]), dim=1, return_inverse=True)
+    tie_sum = torch.zeros(int(tie.max()) + 1 if tie.numel() else 0, dtype=torch.float64).index_add_(
+        0, tie, rank
+    )
+    tie_n = torch.zeros_like(tie_sum).index_add_(0, tie, torch.ones_like(rank))
+    rank = (tie_sum / tie_n)[tie]
+    pos = torch.zeros(n_users, dtype=torch.float64).index_add_(0, u, lab)
+    neg = count - pos
+    pos_rank = torch.zeros(n_users, dtype=torch.float64).index_add_(0, u, rank * lab)
+    both = (pos > 0) & (neg > 0)
+    if not bool(both.any()):
+        return float("nan")
+    per_user = (pos_rank[both] - pos[both] * (pos[both] + 1) / 2) / (pos[both] * neg[both])
+    return float((per_user * count[both]).sum() / count[both].sum())
