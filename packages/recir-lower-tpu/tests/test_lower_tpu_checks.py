@@ -1,9 +1,9 @@
 """recir::check_jagged on the TPU path: the id/length check runs on the host (io_callback) every step
 and a bad batch raises recir's DataError naming the table, feature and id.
 
-``compile`` runs recir-embedding's ``prepare_for_lowering``, which (today) drops check nodes for the TPU
-target and leaves checking to the host-side ``validate_batch``; a graph that keeps them (built with
-``TPUCompiledStep`` directly) gets the lowering tested here.
+``compile`` runs recir-embedding's ``prepare_for_lowering``, which drops check nodes for the TPU target;
+compile runs them on the host before each step instead (``TPUOptions.host_checks``, on by default). A
+graph that keeps them (built with ``TPUCompiledStep`` directly) gets the io_callback lowering.
 """
 
 from __future__ import annotations
@@ -56,3 +56,32 @@ def test_compile_leaves_batch_checks_to_the_host_on_tpu(sgd_step):
     targets = {n.target for n in compiled.step.graph.nodes}
     assert torch.ops.recir.check_jagged.default not in targets
     assert compiled.step.meta["recir.embedding"]["checks_removed"] == 1
+
+
+@pytest.mark.parametrize(
+    ("values", "lengths", "match"),
+    [
+        ([1, 12, 9, 0], [2, 1], r"table 't' \(feature 'f'\): id 12 .* outside \[0, 10\)"),
+        ([1, -1, 9, 0], [2, 1], r"id -1"),
+        ([1, 2, 9, 0], [-1, 1], r"length"),
+        ([1, 2, 9, 0], [5, 1], r"length"),
+    ],
+)
+def test_compile_checks_ids_and_lengths_on_the_host_before_the_step(sgd_step, values, lengths, match):
+    torch.manual_seed(0)
+    model = CheckedLookup()
+    good = {"values": torch.tensor([1, 2, 9, 0]), "lengths": torch.tensor([2, 1])}
+    compiled = compile(sgd_step(model, _loss, good))
+    assert len(compiled.host_checks) == 1
+    state = compiled.init_state(model)
+    state, _ = compiled(state, good)
+    before = compiled.state_dict(state)
+    bad = {"values": torch.tensor(values), "lengths": torch.tensor(lengths)}
+    with pytest.raises(DataError, match=match):
+        compiled(state, bad)
+    after = compiled.state_dict(state)  # raised before the device ran: the state is untouched
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # host_checks=False: a trusted pipeline skips them (the out-of-range id is then clamped by XLA)
+    unchecked = compile(sgd_step(model, _loss, good), options=TPUOptions(host_checks=False))
+    assert unchecked.host_checks == []
+    unchecked(unchecked.init_state(model), bad)

@@ -155,9 +155,8 @@ class CompiledTrainer:
                 f"unknown --embedding_backend {embedding_backend!r}; expected one of {', '.join(EMBEDDING_BACKENDS)}"
             )
         # capture takes the list (dense Adam + RowWiseAdagrad tables). recir::check_jagged (ids and
-        # lengths, DataError) stays in the graph on the GPU path only: recir.lower_tpu.compile drops it
-        # (prepare_for_lowering's TPU default), so no id is checked on the TPU path; our loaders hash
-        # every id into its table.
+        # lengths, DataError) stays in the graph on the GPU path; recir.lower_tpu.compile takes it out
+        # of the graph and runs it on the host before each step (TPUOptions.host_checks).
         self.model, self.optimizers = model, list(optimizers)
         opt: Any = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         model.train()

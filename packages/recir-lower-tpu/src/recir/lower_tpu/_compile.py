@@ -21,6 +21,7 @@ from torch import nn
 from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
 from ._cache import cache_hits, enable_compile_cache
 from ._convert import jax_dtype, to_jax, to_torch
+from ._host_checks import HostCheck, host_checks_of
 from ._multihost import gather_to_every_process
 from ._placement import Placement
 from ._sharding import placement_for
@@ -41,6 +42,9 @@ class TPUOptions:
     (default ``$RECIR_CACHE_DIR/jax``). ``donate_state``: let XLA reuse the state buffers in place.
     ``sparse_updates``: recir-embedding's row-wise table updates (cost grows with the ids in a batch;
     lazy for Adam and touched-rows-only weight decay, so not bit-for-bit torch.optim for tables).
+    ``host_checks``: run the step's id/length checks (``recir::check_jagged``, which XLA cannot raise
+    from) on the host before each step, so an out-of-range id, a negative length or a length past its
+    capacity raises DataError before the device runs; ``False`` skips them (trusted input pipelines).
     """
 
     x64: bool | None = None
@@ -48,13 +52,22 @@ class TPUOptions:
     persistent_cache: bool = True
     cache_dir: str | None = None
     donate_state: bool = True
+    host_checks: bool = True
 
 
 class TPUCompiledStep:
     """A StepGraph lowered to one jitted JAX program; implements recir.transforms' ``CompiledStep``."""
 
-    def __init__(self, step: StepGraph, placement: Placement, options: TPUOptions, embedding_backend: Any):
+    def __init__(
+        self,
+        step: StepGraph,
+        placement: Placement,
+        options: TPUOptions,
+        embedding_backend: Any,
+        host_checks: Sequence[HostCheck] = (),
+    ):
         self.step = step
+        self.host_checks = list(host_checks)
         self.placement = placement
         self.options = options
         self.embedding_backend = embedding_backend
@@ -113,6 +126,10 @@ class TPUCompiledStep:
         """One step. ``state`` (from ``init_state``) is donated: use the returned state afterwards."""
         self._check_state(state)
         sig = self.step.signature
+        if self.host_checks:
+            flat = sig.flatten_batch(batch)
+            for check in self.host_checks:  # DataError before anything runs on the device
+                check(flat)
         with self._x64():
             jstate = [
                 to_jax(x, sh) if isinstance(x, torch.Tensor) else x
@@ -232,8 +249,11 @@ def compile(
     if verify_level() >= 1:
         verify(step, transform="recir.lower_tpu.compile")
     # recir-embedding's preparation (a copy; `step` is never mutated): sparse row-wise updates for
-    # tables and the embedding backend's kernels. It drops recir::check_jagged on TPU: no batch check
-    # runs in this step (a graph that keeps one gets the host-side io_callback of _host_checks.py).
+    # tables and the embedding backend's kernels. It drops recir::check_jagged on TPU; the checks run
+    # on the host before each step instead (a graph that keeps one gets the io_callback lowering).
+    checks = host_checks_of(step) if options.host_checks else []
+    if checks:
+        logger.info("recir.lower_tpu: %d id/length check(s) run on the host before each step", len(checks))
     placement = placement_for(mesh, plan)
     row_sharded = _ring_shift.row_sharded_tables(plan) if placement.mesh is not None else {}
     step = prepare_for_lowering(
@@ -259,4 +279,4 @@ def compile(
             backend.upper(),
             placement.describe(),
         )
-    return TPUCompiledStep(step, placement, options, embedding_backend)
+    return TPUCompiledStep(step, placement, options, embedding_backend, checks)
