@@ -88,6 +88,6 @@ def test_cache_keys_by_graph_and_a_new_process_reuses_it(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     child = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The new process loads the artifacts instead of compiling (the hit counters say so; how long that
+    # takes is benchmarks/step.py's business: no test measures time).
     assert child["fx_hit"] == 1 and child["fx_miss"] == 0 and child["aot_hit"] == 1, child
-    # The warm compile only loads artifacts: far less than the cold one (not a benchmark, an ordering).
-    assert child["seconds"] < compiled_a.compile_seconds, (child, compiled_a.compile_seconds)
