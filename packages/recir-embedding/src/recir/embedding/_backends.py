@@ -162,7 +162,7 @@ def _apply_backend(
         if node.op != "call_function":
             continue
         if node.target == _CHECK and drop_checks:
-            # XLA cannot raise on data: TPU batches are checked on the host (recir.embedding.validate_batch).
+            # XLA cannot raise on data: recir.lower_tpu.compile runs the check on the host before the step.
             node.replace_all_uses_with(node.args[0])
             step.graph.erase_node(node)
             counts["checks_removed"] += 1
@@ -188,6 +188,19 @@ def _apply_backend(
                 node.target = getattr(torch.ops.recir, f"{backend}_embedding").default
                 node.meta[OVERRIDE_KEY] = f"recir-embedding-{backend}"
     return counts
+
+
+def _warn_dense_tables(stats: Mapping[str, Any]) -> None:
+    """One warning per table that keeps its dense gradient and update (O(rows) work every step)."""
+    tables = stats.get("tables", {})
+    for slot, reason in stats.get("dense_tables", {}).items():
+        log.warning(
+            "recir.embedding: table %s (module %r) keeps a dense update, O(rows) work per step instead of "
+            "O(ids in the batch): %s",
+            slot,
+            tables.get(slot, ""),
+            reason,
+        )
 
 
 def prepare_for_lowering(
@@ -224,6 +237,9 @@ def prepare_for_lowering(
         pipeline = Pipeline([SparsifyUpdate()], name="recir.embedding.prepare_for_lowering")
         out = pipeline.run(out)
         report["sparsify"] = dict(pipeline.records[-1].stats)
+        _warn_dense_tables(report["sparsify"])
+    elif "recir.optimizer" in out.meta:
+        log.info("recir.embedding: sparse_updates=False: every embedding table keeps its dense update")
     report.update(_apply_backend(out, name, target, keep_checks, row_sharded))
     out.graph.eliminate_dead_code()
     out.graph.lint()

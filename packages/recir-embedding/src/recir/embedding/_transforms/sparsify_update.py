@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from recir.transforms import ConfigError, StepGraph, Transform, TransformResult, register_transform
+from recir.transforms import (
+    SCOPE_KEY,
+    ConfigError,
+    StepGraph,
+    Transform,
+    TransformResult,
+    register_transform,
+)
 
 from .._graph import splice
 from .._rowwise import SPARSE_KINDS, sparse_update
@@ -18,10 +25,79 @@ from .._rowwise import SPARSE_KINDS, sparse_update
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}
 _ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
+_INDEX_PUTS = {aten.index_put.default, aten._unsafe_index_put.default}
+_SAME = {aten.detach.default, aten.clone.default, aten.alias.default}
+_LOOKUPS = {
+    aten.embedding.default,
+    aten._embedding_bag.default,
+    aten._embedding_bag_forward_only.default,
+    aten.embedding_bag.default,
+    aten.embedding_bag.padding_idx,
+}
 
 
-def _index_add_terms(node: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:
-    """``[(ids, per-id grads)]`` if ``node`` is ``zeros.index_add(0, ids, g)`` (chained or summed)."""
+@dataclasses.dataclass(frozen=True)
+class _Term:
+    """One lookup's share of a table's gradient: the ids it read and where their gradient rows come from.
+
+    ``grad`` holds the per-id gradient rows (``[*ids.shape, D]``), or, for an ``nn.EmbeddingBag``
+    (``bag`` set: ``(mode, padding_idx, has_per_sample_weights)``), the pooled gradient ``[B, D]``, from
+    which :func:`_per_id_grads` spreads each bag's row back over its ids (``offsets`` and
+    ``per_sample_weights`` are then the lookup's).
+    """
+
+    ids: fx.Node
+    grad: fx.Node
+    offsets: fx.Node | None = None
+    per_sample_weights: fx.Node | None = None
+    bag: tuple[int, int, bool] | None = None
+    aten_lookup: bool = False  # from a plain ATen lookup's gradient (index_put / _embedding_bag_backward)
+
+    def nodes(self) -> list[fx.Node]:
+        extra = [n for n in (self.offsets, self.per_sample_weights) if n is not None]
+        return [self.ids, self.grad, *extra]
+
+
+class _Dense(Exception):
+    """A recognised table gradient that must stay dense; the message is the reason."""
+
+
+def _named_args(node: fx.Node) -> dict[str, Any]:
+    schema = node.target._schema  # type: ignore[union-attr]
+    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    out.update(zip((a.name for a in schema.arguments), node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _counts_ids(values: fx.Node, ids: fx.Node, rows: int) -> bool:
+    """Whether ``values`` depends on an id count over the table (``scale_grad_by_freq``'s decomposition:
+    ``zeros(rows).index_put([ids], ones, accumulate=True)``), looking through backward-phase nodes."""
+    seen: set[fx.Node] = set()
+    todo = [values]
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" or n.meta.get("recir.phase") != "backward":
+            continue
+        seen.add(n)
+        if n.target in _INDEX_PUTS:
+            base = n.args[0]
+            val = base.meta.get("val") if isinstance(base, fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == rows:
+                return True
+        todo.extend(a for a in n.all_input_nodes)
+    return False
+
+
+def _grad_terms(node: fx.Node) -> list[_Term] | None:
+    """The lookups that make up a dense table gradient, or None if ``node`` is not one.
+
+    Accepted: ``zeros(rows, D)`` plus any sum/chain of ``index_add(0, ids, g)`` (the recir::embedding*
+    backward), ``index_put([ids], g, accumulate=True)`` (``nn.Embedding``'s ``embedding_dense_backward``
+    as capture decomposes it; its padding_idx mask is already in ``g``) and ``_embedding_bag_backward``
+    (``nn.EmbeddingBag`` sum/mean, kept whole by capture). Raises :class:`_Dense` with the reason for a
+    recognised gradient that has no row-wise form (sparse=True, mode='max', scale_grad_by_freq).
+    """
     if node.op != "call_function":
         return None
     if node.target in _ZEROS:
@@ -29,18 +105,79 @@ def _index_add_terms(node: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:
     if node.target in (aten.full.default, aten.new_full.default) and node.args[-1] == 0:
         return []
     if node.target == aten.index_add.default and node.args[1] == 0 and len(node.args) == 4:
-        base = _index_add_terms(node.args[0])
-        return None if base is None else [*base, (node.args[2], node.args[3])]
+        base = _grad_terms(node.args[0])
+        return None if base is None else [*base, _Term(node.args[2], node.args[3])]
+    if node.target in _INDEX_PUTS:
+        a = _named_args(node)
+        indices, values = a["indices"], a["values"]
+        if not a["accumulate"] or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+            return None
+        ids = indices[0]
+        rows, *row_shape = node.meta["val"].shape
+        if tuple(values.meta["val"].shape) != (*ids.meta["val"].shape, *row_shape):
+            return None
+        base = _grad_terms(a["self"])
+        if base is None:
+            return None
+        if _counts_ids(values, ids, rows):
+            raise _Dense(
+                "nn.Embedding(scale_grad_by_freq=True): each id's gradient is divided by its count, "
+                "taken over all the table's rows"
+            )
+        return [*base, _Term(ids, values, aten_lookup=True)]
+    if node.target == aten._embedding_bag_backward.default:
+        a = _named_args(node)
+        if a["sparse"]:
+            raise _Dense("nn.EmbeddingBag(sparse=True): its gradient is a sparse COO tensor")
+        if a["scale_grad_by_freq"]:
+            raise _Dense(
+                "nn.EmbeddingBag(scale_grad_by_freq=True): each id's gradient is divided by its count, "
+                "taken over all the table's rows"
+            )
+        if a["mode"] not in (0, 1):
+            raise _Dense("nn.EmbeddingBag(mode='max'): each dimension's gradient goes to its own argmax row")
+        psw = a["per_sample_weights"]
+        bag = (int(a["mode"]), int(a["padding_idx"]), psw is not None)
+        return [_Term(a["indices"], a["grad"], a["offsets"], psw, bag, aten_lookup=True)]
+    if node.target == aten._sparse_coo_tensor_with_dims_and_tensors.default:
+        raise _Dense("nn.Embedding(sparse=True): its gradient is a sparse COO tensor")
     if node.target == aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
-        parts = [_index_add_terms(a) if isinstance(a, fx.Node) else None for a in node.args]
+        parts = [_grad_terms(a) if isinstance(a, fx.Node) else None for a in node.args]
         if parts[0] is None or parts[1] is None:
             return None
         return parts[0] + parts[1]
     return None
 
 
+def _per_id_grads(term: _Term, xs: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [N], gradient rows [N, D])`` of one term from its traced inputs (``term.nodes()`` order)."""
+    ids, g = xs[0].reshape(-1), xs[1]
+    if term.bag is None:
+        return ids, g.reshape(-1, dim)
+    # nn.EmbeddingBag (ATen's _embedding_bag_dense_backward for sum/mean): id i of bag b gets
+    # grad[b] (x its per-sample weight; / the bag's count of non-padding ids for mean); padding ids get 0.
+    mode, padding_idx, has_psw = term.bag
+    offsets = xs[2]
+    bags = g.shape[0]  # offsets has B entries, or B + 1 with include_last_offset
+    positions = torch.arange(ids.shape[0], device=ids.device, dtype=offsets.dtype)
+    bag = torch.searchsorted(offsets[1:bags], positions, right=True)
+    rows = g.index_select(0, bag)
+    if has_psw:
+        rows = rows * xs[3].unsqueeze(1).to(rows.dtype)
+    keep = ids != padding_idx
+    if mode == 1:
+        size = rows.new_zeros(bags).index_add(0, bag, keep.to(rows.dtype))
+        rows = rows / size.index_select(0, bag).clamp(min=1).unsqueeze(1)
+    return ids, torch.where(keep.unsqueeze(1), rows, torch.zeros_like(rows))
+
+
 def _update_fn(
-    kind: str, hp: dict[str, Any], keys: list[str], n_terms: int, has_step: bool, core_shape: tuple[int, int]
+    kind: str,
+    hp: dict[str, Any],
+    keys: list[str],
+    terms: list[_Term],
+    has_step: bool,
+    core_shape: tuple[int, int],
 ) -> Any:
     """``(param, *states, lr, [step], *ids, *grads) -> [new_param, *new_states]`` for one table."""
     rows, dim = core_shape
@@ -52,8 +189,14 @@ def _update_fn(
         k = 2 + n_state
         step_v = xs[k] if has_step else None
         k += int(has_step)
-        ids = torch.cat([t.to(torch.int64) for t in xs[k : k + n_terms]])
-        g = torch.cat(list(xs[k + n_terms : k + 2 * n_terms]))
+        id_parts, g_parts = [], []
+        for term in terms:
+            n = len(term.nodes())
+            ids_t, g_t = _per_id_grads(term, list(xs[k : k + n]), dim)
+            id_parts.append(ids_t.to(torch.int64))
+            g_parts.append(g_t)
+            k += n
+        ids, g = torch.cat(id_parts), torch.cat(g_parts)
         shapes = [param.shape] + [s.shape for s in states]
         # A flat table (FBGEMM TBE's 1-D weights) is updated as its [rows, D] view.
         flat = param.dim() != 2
@@ -66,13 +209,70 @@ def _update_fn(
     return fn
 
 
+def _describe(node: fx.Node) -> str:
+    return (
+        f"%{node.name} = {getattr(node.target, '__name__', node.target)}"
+        if node.op == "call_function"
+        else node.op
+    )
+
+
+def _is_lookup(target: Any) -> bool:
+    if target in _LOOKUPS:
+        return True
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "recir"
+        and "embedding" in target.name()
+    )
+
+
+def embedding_tables(step: StepGraph) -> dict[str, str]:
+    """``param slot -> module path`` of every table: a parameter a lookup reads as its weight.
+
+    Lookups are the ``recir::*embedding*`` override ops, and ATen's ``embedding`` / ``_embedding_bag``
+    run by the module that owns the weight as ``weight`` (a plain ``nn.Embedding`` / ``nn.EmbeddingBag``:
+    the lookup's ``recir.scope`` is the slot's module). ``F.embedding(ids, self.some_param)`` on a raw
+    parameter is no table: it stays a dense parameter (DLRMv3's position and time embeddings, trained
+    by dense Adam like the reference). The weight may pass through views, detach or alias.
+    """
+    names = step.signature.state_names()
+    placeholders = [n for n in step.graph.nodes if n.op == "placeholder"]
+    out: dict[str, str] = {}
+    for ph, name in zip(placeholders, names):
+        if not name.startswith("param:"):
+            continue
+        todo, seen = [ph], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for user in n.users:
+                if user.op != "call_function":
+                    continue
+                if user.target in _VIEWS or user.target in _SAME:
+                    todo.append(user)
+                elif _is_lookup(user.target) and user.args and user.args[0] is n:
+                    module, _, attr = name[len("param:") :].rpartition(".")
+                    recir_op = user.target not in _LOOKUPS
+                    if recir_op or (attr == "weight" and user.meta.get(SCOPE_KEY) == module):
+                        out[name] = module
+    return out
+
+
 @register_transform
 class SparsifyUpdate(Transform):
     """Replace each table's dense gradient and optimizer update by row-wise updates of touched rows.
 
     Matches, per param slot ``p`` (from ``step.meta["recir.optimizer"]``), the gradient node
-    (``recir.grad_of == p``) of the form ``zeros(rows, D).index_add(0, ids, g)`` (several terms, and a
-    trailing view, are accepted) whose only users are ``p``'s optimizer nodes. Before -> after::
+    (``recir.grad_of == p``) of the form ``zeros(rows, D).index_add(0, ids, g)`` (recir::embedding*
+    overrides), ``zeros(rows, D).index_put([ids], g, accumulate=True)`` (plain ``nn.Embedding``:
+    ``embedding_dense_backward`` as capture decomposes it, padding ids already masked in ``g``) or
+    ``_embedding_bag_backward`` (plain ``nn.EmbeddingBag`` sum/mean, per-sample weights, padding_idx:
+    each id gets its bag's gradient row) -- several terms, and a trailing view, are accepted -- whose
+    only users are ``p``'s optimizer nodes. ``stats["dense_tables"]`` lists the tables (params a lookup
+    reads, see :func:`embedding_tables`) left dense, with the reason. Before -> after::
 
         %gw = index_add(new_zeros(W, [R, D]), 0, %ids, %g)        # backward
         %m1 = add(mul(%exp_avg, 0.9), mul(%gw, 0.1)) ...          # optimizer, O(R*D)
@@ -115,8 +315,9 @@ class SparsifyUpdate(Transform):
         done: list[str] = []
         skipped: dict[str, str] = {}
         ids_per_table: dict[str, int] = {}
+        tables = embedding_tables(step)
         for slot, info in step.meta["recir.optimizer"].items():
-            reason, plan = self._match(step, slot, info, grad_nodes)
+            reason, plan = self._match(step, slot, info, grad_nodes, tables)
             if plan is None:
                 skipped[slot] = reason
                 continue
@@ -133,27 +334,37 @@ class SparsifyUpdate(Transform):
             idx = [names.index(slot)] + [names.index(s) for s in state_slots]
             lr = placeholders[names.index(info["lr_slot"])]
             step_node = outs[names.index(info["step_slot"])] if info.get("step_slot") else None
-            n_terms = len(terms)
             args = [placeholders[i] for i in idx] + [lr] + ([step_node] if step_node is not None else [])
-            args += [t[0] for t in terms] + [t[1] for t in terms]
-            fn = _update_fn(kind, hp, keys, n_terms, step_node is not None, core_shape)
+            args += [n for t in terms for n in t.nodes()]
+            fn = _update_fn(kind, hp, keys, terms, step_node is not None, core_shape)
             new_nodes = splice(graph, fn, args, before=output, phase="optimizer", provenance=self.name)
             for i, node in zip(idx, new_nodes):
                 outs[i] = node
             done.append(slot)
-            ids_per_table[slot] = sum(t[0].meta["val"].shape[0] for t in terms)
+            ids_per_table[slot] = sum(t.ids.meta["val"].numel() for t in terms)
         if done:
             output.args = (tuple(outs),)
             graph.eliminate_dead_code()
             graph.lint()
             step.graph_module.recompile()
-        return TransformResult(
-            step, bool(done), {"sparsified": done, "skipped": skipped, "ids": ids_per_table}
-        )
+        dense_tables = {slot: skipped[slot] for slot in tables if slot in skipped}
+        stats = {
+            "sparsified": done,
+            "skipped": skipped,
+            "ids": ids_per_table,
+            "tables": tables,
+            "dense_tables": dense_tables,
+        }
+        return TransformResult(step, bool(done), stats)
 
     def _match(
-        self, step: StepGraph, slot: str, info: dict[str, Any], grad_nodes: dict[str, fx.Node]
-    ) -> tuple[str, tuple[tuple[int, int], list[tuple[fx.Node, fx.Node]]] | None]:
+        self,
+        step: StepGraph,
+        slot: str,
+        info: dict[str, Any],
+        grad_nodes: dict[str, fx.Node],
+        tables: dict[str, str],
+    ) -> tuple[str, tuple[tuple[int, int], list[_Term]] | None]:
         kind = info.get("kind")
         if kind not in SPARSE_KINDS:
             return f"optimizer {kind!r} has no row-wise form", None
@@ -165,9 +376,20 @@ class SparsifyUpdate(Transform):
         core = grad
         while core.op == "call_function" and core.target in _VIEWS:
             core = core.args[0]
-        terms = _index_add_terms(core)
+        try:
+            terms = _grad_terms(core)
+        except _Dense as e:
+            return str(e), None
+        if terms and any(t.aten_lookup for t in terms) and slot not in tables:
+            return (
+                "an ATen lookup or indexing of a parameter that is no nn.Embedding/nn.EmbeddingBag weight "
+                "(e.g. F.embedding(ids, self.param)): it stays a dense parameter"
+            ), None
         if not terms:
-            return "its gradient is not zeros.index_add(0, ids, g)", None
+            return (
+                "its gradient is none of zeros.index_add(0, ids, g), zeros.index_put([ids], g, "
+                f"accumulate=True) or _embedding_bag_backward (it is {_describe(core)})"
+            ), None
         shape = tuple(core.meta["val"].shape)
         if len(shape) != 2 or shape[0] < self.options.min_rows:
             return f"gradient shape {list(shape)} is not a [rows >= {self.options.min_rows}, D] table", None
