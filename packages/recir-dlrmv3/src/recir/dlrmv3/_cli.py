@@ -54,7 +54,7 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         choices=TARGETS,
         default=d["target"],
         help="training path; eager-graph runs the captured step by its interpreter (default: "
-        + (d["target"] or "gpu on a CUDA machine, else tpu, the faster compile on a CPU")
+        + str(d["target"] or "gpu on a CUDA machine, else tpu, the faster compile on a CPU")
         + ")",
     )
     c.add_argument(
