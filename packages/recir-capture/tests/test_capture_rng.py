@@ -126,3 +126,17 @@ def test_capture_rng_streams_of_successive_steps_are_uncorrelated() -> None:
         assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.02
         # the same values in another order would pass the correlation test: they must differ as sets
         assert not torch.equal(a.sort().values, b.sort().values)
+
+
+def test_capture_tags_each_dropout_keep_mask() -> None:
+    # recir.rng_mask marks the boolean mask of each dropout (lowerings store it once), nothing else
+    from recir.transforms import RNG_MASK_KEY
+
+    model = testing.TransformerBlock(dropout=0.2)  # two dropouts per forward
+    case = testing.REFERENCE_CASES["transformer"]
+    step = capture_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), case.loss_fn, case.make_batch(0)
+    )
+    tagged = [n for n in step.graph.nodes if RNG_MASK_KEY in n.meta]
+    assert len(tagged) == 2
+    assert all(n.meta["val"].dtype == torch.bool and n.meta[RNG_MASK_KEY] == "dropout" for n in tagged)

@@ -96,6 +96,7 @@ def capture_train_step(
                 {id(t): s.name for t, s in zip(bt, bslots)},
                 lambda: step_key(st[index[RNG_SEED_SLOT]], st[index[RNG_OFFSET_SLOT]]),
             )
+            ctx.graph = graph
             p_in = {n: st[index[f"param:{n}"]] for n, _ in params}
             for n, _, _ in trainable:
                 p_in[n].requires_grad_(True)
@@ -232,6 +233,7 @@ def _finish_graph(
     assert rec.ctx is not None
     grads = {node: slot for slot, node in rec.grad_nodes.items() if node is not None}
     post.tag_scopes(graph, rec.ctx.scope_marks, rec.marks["backward"], [s.name for s in slots], grads)
+    post.tag_rng_masks(graph, rec.ctx.mask_marks)
     for slot, node in rec.grad_nodes.items():
         if node is not None:
             node.meta[post.GRAD_OF_KEY] = slot

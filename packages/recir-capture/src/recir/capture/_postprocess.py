@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from recir.transforms import OVERRIDE_KEY, PHASE_KEY, SCOPE_KEY, CaptureError, override_for_op
+from recir.transforms import OVERRIDE_KEY, PHASE_KEY, RNG_MASK_KEY, SCOPE_KEY, CaptureError, override_for_op
 
 GRAD_OF_KEY = "recir.grad_of"
 OPTIM_PARAM_KEY = "recir.optim_param"
@@ -40,6 +40,17 @@ def tag_phases(graph: fx.Graph, marks: dict[str, int], param_ranges: Sequence[tu
 def _module_of(slot: str) -> str:
     """``param:layers.0.uvqk.weight`` -> ``layers.0.uvqk`` (the module that owns the tensor)."""
     return slot.split(":", 1)[-1].rpartition(".")[0]
+
+
+def tag_rng_masks(graph: fx.Graph, marks: Sequence[int]) -> None:
+    """``recir.rng_mask`` on each dropout's boolean keep mask (``marks``: node positions at tracing)."""
+    nodes = list(graph.nodes)
+    for i in marks:
+        if not 0 <= i < len(nodes):
+            continue
+        val = nodes[i].meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bool:  # else the position moved: no tag
+            nodes[i].meta[RNG_MASK_KEY] = "dropout"
 
 
 def tag_scopes(

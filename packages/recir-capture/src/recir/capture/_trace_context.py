@@ -54,6 +54,9 @@ class TraceContext:
         self._rng_key: Tensor | None = None
         self.rng_counter = 0
         self.random_ops: list[str] = []
+        # the traced graph, and the position of every dropout keep-mask node in it (tag_rng_masks)
+        self.graph: Any = None
+        self.mask_marks: list[int] = []
 
     @property
     def module(self) -> str:
@@ -122,6 +125,8 @@ def _dropout(ctx: TraceContext, input: Tensor, p: float = 0.5, training: bool = 
         out = input * 0
     else:
         keep = ctx.uniform(input.shape, torch.float32, "dropout") < (1 - p)
+        if ctx.graph is not None:  # the node just traced is the mask: postprocess.tag_rng_masks tags it
+            ctx.mask_marks.append(len(ctx.graph.nodes) - 1)
         out = input * (keep.to(input.dtype) / (1 - p))
     if inplace:
         return input.copy_(out)

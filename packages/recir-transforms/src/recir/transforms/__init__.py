@@ -93,6 +93,9 @@ from ._step import (
     REGION_KEY as REGION_KEY,
 )
 from ._step import (
+    RNG_MASK_KEY as RNG_MASK_KEY,
+)
+from ._step import (
     SCOPE_KEY as SCOPE_KEY,
 )
 from ._step import (
@@ -156,6 +159,7 @@ __all__ = [
     "OVERRIDE_KEY",
     "PROVENANCE_KEY",
     "SCOPE_KEY",
+    "RNG_MASK_KEY",
     # transforms
     "Transform",
     "TransformResult",

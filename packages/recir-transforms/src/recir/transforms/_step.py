@@ -26,6 +26,10 @@ PROVENANCE_KEY = "recir.provenance"
 #: forward nodes from the module running when they were traced, backward nodes from the forward values
 #: and parameters they read, optimizer nodes from their parameter. Profiles group time by it.
 SCOPE_KEY = "recir.scope"
+#: On the boolean keep-mask node of each dropout (set by recir-capture): a value the forward and the
+#: backward both read, cheap to store (one byte per element) and costly to recompute (a counter hash).
+#: Lowerings may store it once instead of letting the backend recompute it in every consumer.
+RNG_MASK_KEY = "recir.rng_mask"
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 #: Resolves the initial value of one state slot from a live model and optimizer, or returns None
