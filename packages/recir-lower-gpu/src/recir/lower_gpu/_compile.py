@@ -25,6 +25,7 @@ from ._isa import memoize_cpu_isa_probe
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
 from ._step import GPUCompiledStep
+from ._store import register_inductor_lowering, store_rng_masks
 
 log = logging.getLogger("recir.lower_gpu")
 
@@ -139,6 +140,11 @@ def compile(
         keep_checks=False if use_graphs else None,
     )
     gm = copy_graph_module(prepared.graph_module)
+    if options.store_rng_masks:
+        register_inductor_lowering()
+        stored = store_rng_masks(gm)
+        if stored:
+            log.info("recir.lower_gpu: %d dropout mask(s) stored once, not recomputed per reader", stored)
     retarget_devices(gm, dev)
     _check_distributed(gm, plan)
     check_kernels(gm, dev)

@@ -35,6 +35,11 @@ class GPUOptions:
     - ``memoize_cpu_isa_probe``: keep the result of Inductor's CPU SIMD probe (it builds and loads a
       test library per ISA in a fresh Python, seconds each, in every process) in ``$RECIR_CACHE_DIR``.
     - ``inductor_config``: extra ``torch._inductor.config`` patches (name -> value), applied last.
+    - ``store_rng_masks``: compute each dropout keep mask once and store it (one byte per element)
+      instead of letting Inductor recompute its counter hash in every kernel that reads it (the
+      forward's and the backward's). The values are the same either way. Off by default: on the CPU
+      it is slower (full-size DLRMv3, bf16, UIH 64: 320 ms/step against 276), and on CUDA, where an
+      H200 profile showed the recomputation, it has not been measured yet.
     """
 
     mode: InductorMode = "default"
@@ -45,6 +50,7 @@ class GPUOptions:
     cache_dir: str | None = None
     memoize_cpu_isa_probe: bool = True
     inductor_config: tuple[tuple[str, Any], ...] = ()
+    store_rng_masks: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in INDUCTOR_MODES:
