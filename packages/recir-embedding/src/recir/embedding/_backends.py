@@ -85,7 +85,7 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
             import torchrec  # noqa: F401
         except ImportError as e:  # pragma: no cover
             raise ImportError(
-                "the 'torchrec' embedding backend needs torchrec==1.4.0 (pip install torchrec)"
+                "the 'torchrec' embedding backend needs TorchRec: install recir-embedding[torchrec]"
             ) from e
     if backend == "ring_shift":
         if target != "tpu":

@@ -125,8 +125,10 @@ class EmbeddingBagCollectionOverride(Override):
     ops = ("recir::embedding_bag",)
 
     def matches(self, module: nn.Module) -> bool:
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
+        try:
+            from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        except ImportError:  # TorchRec is optional: a model without it holds no TorchRec module
+            return False
         return isinstance(module, EmbeddingBagCollection)
 
     def replace(self, module: nn.Module, path: str) -> nn.Module:
@@ -138,8 +140,10 @@ class EmbeddingCollectionOverride(Override):
     ops = ("recir::embedding",)
 
     def matches(self, module: nn.Module) -> bool:
-        from torchrec.modules.embedding_modules import EmbeddingCollection
-
+        try:
+            from torchrec.modules.embedding_modules import EmbeddingCollection
+        except ImportError:
+            return False
         return isinstance(module, EmbeddingCollection)
 
     def replace(self, module: nn.Module, path: str) -> nn.Module:

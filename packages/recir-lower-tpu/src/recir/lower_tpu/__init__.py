@@ -2,6 +2,7 @@
 
 from recir.transforms import LoweringError as LoweringError
 
+from . import _versions  # noqa: F401 - first: refuses a known-broken torch/torchax pair before torchax loads
 from ._cache import default_cache_dir as default_cache_dir
 from ._cache import enable_compile_cache as enable_compile_cache
 from ._compile import TPUCompiledStep as TPUCompiledStep
