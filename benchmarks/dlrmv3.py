@@ -172,6 +172,10 @@ def main() -> None:
     import torch
 
     device = _device(args.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit(
+            "error: --device cuda, but torch.cuda.is_available() is False. Fix: run on a CUDA machine or --device cpu"
+        )
     print(f"device {device}, {args.threads} CPU thread(s), torch {torch.__version__}, dim {args.embedding_dim}, "
           f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over "
           f"{args.rounds} rounds of {args.steps} steps; 'vs ref' = reference loop ms / ours "

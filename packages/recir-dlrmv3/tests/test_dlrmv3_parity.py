@@ -47,7 +47,7 @@ def _tampered(monkeypatch, tamper) -> list[str]:  # type: ignore[no-untyped-def]
             tamper(state)
             return state
 
-    monkeypatch.setattr("recir.dlrmv3._parity.make_trainer", lambda _t, m, o, *_a: Tampered(m, o))
+    monkeypatch.setattr("recir.dlrmv3._parity.make_trainer", lambda _t, m, o, *_a, **_k: Tampered(m, o))
     lines: list[str] = []
     _, ok = run_parity(TrainOptions(target="eager", **TINY), 1, log=lines.append)  # type: ignore[arg-type]
     assert not ok and lines[-1] == "parity FAILED (atol 0.0001)", lines

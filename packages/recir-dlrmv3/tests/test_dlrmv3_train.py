@@ -206,6 +206,11 @@ def test_dlrmv3_help_imports_no_torch(cmd):
         (["parity", "--lr", "0"], "error: --lr must be a finite number > 0, got 0.0"),
         (["parity", "--steps", "0"], "error: --num_train_batches must be >= 1, got 0"),
         (["parity", "--num_train_batches", "0"], "error: --num_train_batches must be >= 1, got 0"),
+        (
+            ["train", "--target", "tpu", "--cuda_graphs"],
+            "error: --cuda_graphs is the single-process GPU path's flag (got --target tpu, --parallel none). "
+            "Fix: --target gpu without --parallel, on a CUDA machine.",
+        ),
     ],
 )
 def test_dlrmv3_bad_numeric_flags_are_one_error_line(argv, message, capsys):
@@ -289,3 +294,11 @@ def test_dlrmv3_progress_bar_on_a_terminal_only(terminal, monkeypatch):
             assert re.search(rf"[\r\n]\S+ \S+ INFO line {done}\n", shown), shown
     else:  # plain log lines only
         assert messages(shown) == ["line 2", "line 3"] and len(shown.splitlines()) == 2, shown
+
+
+def test_dlrmv3_cuda_graphs_flag_reaches_the_gpu_lowering():
+    from recir.dlrmv3._train import gpu_options
+    from recir.lower_gpu import GPUOptions
+
+    assert gpu_options(TrainOptions(target="gpu")) is None
+    assert gpu_options(TrainOptions(target="gpu", cuda_graphs=True)) == GPUOptions(cuda_graphs=True)

@@ -64,6 +64,12 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         help="embedding kernels of a compiled target",
     )
     c.add_argument(
+        "--cuda_graphs",
+        action="store_true",
+        help="--target gpu on CUDA: replay the whole compiled step as one CUDA graph (the in-graph id "
+        "checks are dropped: they read ids on the host); ignored without a CUDA device",
+    )
+    c.add_argument(
         "--precision",
         choices=PRECISIONS,
         default=d["precision"],

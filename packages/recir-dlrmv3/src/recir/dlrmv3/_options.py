@@ -31,6 +31,8 @@ class TrainOptions:
     layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
     precision: str = "fp32"
+    # GPU path on CUDA: replay the whole step as one CUDA graph (the id checks then leave the graph)
+    cuda_graphs: bool = False
     log_every: int = 50
     seed: int = 0
     eval_every: int = 0
@@ -106,6 +108,11 @@ class TrainOptions:
         if self.precision not in PRECISIONS:
             raise config_error(
                 f"unknown --precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}"
+            )
+        if self.cuda_graphs and (self.target != "gpu" or self.parallel != "none"):
+            raise config_error(
+                f"--cuda_graphs is the single-process GPU path's flag (got --target {self.target}, --parallel "
+                f"{self.parallel}). Fix: --target gpu without --parallel, on a CUDA machine."
             )
         if self.parallel not in PARALLEL:
             raise config_error(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")

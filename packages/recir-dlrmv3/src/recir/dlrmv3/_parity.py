@@ -105,7 +105,16 @@ def run_parity(
     model_e, data, opt_e = build(opts)
     model_c, _, opt_c = build(dataclasses.replace(opts))
     eager = EagerTrainer(model_e, opt_e)
-    compiled = make_trainer(opts.target, model_c, opt_c, data.train_batch(0), opts.embedding_backend)
+    from ._train import gpu_options
+
+    compiled = make_trainer(
+        opts.target,
+        model_c,
+        opt_c,
+        data.train_batch(0),
+        opts.embedding_backend,
+        compile_options=gpu_options(opts),
+    )
     rows: list[ParityRow] = []
     log(f"parity: eager vs {compiled.description}, {steps} steps, atol {atol:g}")
     log(

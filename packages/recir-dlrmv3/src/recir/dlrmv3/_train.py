@@ -37,6 +37,15 @@ class TrainResult:
     start_step: int = 0
 
 
+def gpu_options(opts: TrainOptions) -> object:
+    """recir.lower_gpu.GPUOptions for --cuda_graphs (None: the lowering's defaults)."""
+    if not opts.cuda_graphs:
+        return None
+    from recir.lower_gpu import GPUOptions
+
+    return GPUOptions(cuda_graphs=True)
+
+
 def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]]:
     """Model (seeded), data and optimizers for `opts`."""
     opts.check()
@@ -140,6 +149,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         parallel=parallel,
         mesh=mesh,
         precision=opts.precision,
+        compile_options=gpu_options(opts),
     )
     if resumed:
         # the checkpoint may come from another plan, world size or path: read this trainer's shards
