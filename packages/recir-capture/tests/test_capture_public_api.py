@@ -6,6 +6,7 @@ import sys
 
 PUBLIC = {
     "capture_train_step",
+    "BucketedStep",
     "CaptureError",
     "EmbeddingBagOverride",
     "EmbeddingBagStandIn",

@@ -3,6 +3,7 @@
 from recir.transforms import CaptureError as CaptureError
 
 from . import testing as testing
+from ._bucketed import BucketedStep as BucketedStep
 from ._capture import OPTIMIZER_META as OPTIMIZER_META
 from ._capture import capture_train_step as capture_train_step
 from ._decomp import capture_decompositions as capture_decompositions
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     # capture
     "capture_train_step",
+    "BucketedStep",
     "CaptureError",
     # overrides
     "EmbeddingBagOverride",

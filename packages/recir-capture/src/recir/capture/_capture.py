@@ -14,7 +14,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from recir.transforms import CaptureError, Override, Signature, SlotInitializer, StateSlot, StepGraph, verify
+from recir.transforms import (
+    CaptureError,
+    Override,
+    Signature,
+    SlotInitializer,
+    StateSlot,
+    StepGraph,
+    adapt_batch,
+    verify,
+)
 from torch import nn
 from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -56,6 +65,7 @@ def capture_train_step(
     *,
     overrides: Iterable[Override] = (),
     mode: str = "static",
+    batch_buckets: Any = None,
 ) -> StepGraph:
     """Capture ``loss_fn(model, batch)``, its backward and ``optimizer``'s update as one pure StepGraph.
 
@@ -63,9 +73,17 @@ def capture_train_step(
     Adam + RowWiseAdagrad for tables); param groups are then numbered across the optimizers in order.
     The live model and optimizer are only read; no real step runs. Raises :class:`CaptureError` for
     what one functional graph cannot express.
+
+    Batch values a registered batch adapter handles (TorchRec ``KeyedJaggedTensor``s, once recir.embedding
+    is imported) are converted into static ones; ``batch_buckets`` is the adapter's bucketing policy (for
+    KJTs: recir.embedding.pad_to_bucket's ``buckets``; None pads each feature to the next power of two).
+    The captured step converts later batches into the same layout; :class:`recir.capture.BucketedStep`
+    captures once per bucket instead.
     """
     if mode not in ("static", "dynamic"):
         raise CaptureError(f"mode must be 'static' or 'dynamic', got {mode!r}")
+    example_batch = adapt_batch(example_batch, None, batch_buckets)
+    _check_no_jagged_left(example_batch)
     specs = optimizer_specs(optimizer)
     work, applied = prepare_model(model, tuple(overrides))
     params = list(model.named_parameters())
@@ -298,4 +316,15 @@ def _check_one_device(
                 f"the example batch's leaf {slot.name!r} is on {t.device}, but the model's parameters are on {where}. "
                 f"Fix: move the batch to {where} before capture (e.g. {{k: v.to('{where}') for k, v in "
                 "batch.items()}), or the model to the batch's device."
+            )
+
+
+def _check_no_jagged_left(batch: Any) -> None:
+    """A KeyedJaggedTensor no adapter converted: say which import converts it (else a NoneType leaf error)."""
+    for leaf in pytree.tree_leaves(batch, is_leaf=lambda x: type(x).__name__ == "KeyedJaggedTensor"):
+        if type(leaf).__name__ == "KeyedJaggedTensor":
+            raise CaptureError(
+                "the example batch holds a TorchRec KeyedJaggedTensor, and no batch adapter converts it. "
+                "Fix: import recir.embedding (it registers the adapter; its overrides() are what TorchRec "
+                "models are captured with), or convert the batch with recir.embedding.pad_to_bucket."
             )

@@ -1,5 +1,9 @@
 """recir.transforms: the IR (StepGraph), its verifier, and the transform framework. Needs torch only."""
 
+from ._batch_adapters import BatchAdapter as BatchAdapter
+from ._batch_adapters import adapt_batch as adapt_batch
+from ._batch_adapters import register_batch_adapter as register_batch_adapter
+from ._batch_adapters import registered_batch_adapters as registered_batch_adapters
 from ._compiled import CompiledStep as CompiledStep
 from ._errors import (
     CaptureError as CaptureError,
@@ -159,6 +163,10 @@ __all__ = [
     "OVERRIDE_KEY",
     "PROVENANCE_KEY",
     "SCOPE_KEY",
+    "BatchAdapter",
+    "adapt_batch",
+    "register_batch_adapter",
+    "registered_batch_adapters",
     "RNG_MASK_KEY",
     # transforms
     "Transform",

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 import torch.utils._pytree as pytree
 
+from ._batch_adapters import adapt_batch
 from ._errors import DataError
 
 StateKind = Literal["param", "buffer", "optim", "rng"]
@@ -94,8 +95,10 @@ class Signature:
         raise KeyError(f"no state slot named {name!r}; the signature has {len(self.state)} slots")
 
     def flatten_batch(self, batch: Any) -> list[torch.Tensor]:
-        """Flatten a user batch into the slot order, checking structure, shapes and dtypes."""
-        leaves, spec = pytree.tree_flatten(batch)
+        """Flatten a user batch into the slot order, checking structure, shapes and dtypes. Values a
+        registered batch adapter handles (e.g. TorchRec KeyedJaggedTensors) are first converted into the
+        captured layout."""
+        leaves, spec = pytree.tree_flatten(adapt_batch(batch, self.batch_spec))
         if self.batch_spec is not None and spec != self.batch_spec:
             raise DataError(
                 "the batch's structure differs from the captured one.\n"

@@ -1,0 +1,105 @@
+"""``BucketedStep``: train on batches of varying jagged sizes, one captured (and compiled) step per bucket.
+
+A StepGraph has static shapes. With a batch adapter (recir.embedding's, for TorchRec KeyedJaggedTensors)
+each batch is padded to a bucket of sizes (``batch_buckets``: the adapter's policy, default powers of
+two); a batch whose bucket has no step yet is captured, and compiled with ``compile``, before it runs.
+All buckets share one state: the slots do not depend on the batch's sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from recir.transforms import Override, adapt_batch
+from torch import nn
+
+from ._capture import LossFn, capture_train_step
+
+log = logging.getLogger("recir.capture")
+
+
+class BucketedStep:
+    """``step(state, batch) -> (state, outputs)`` over batches of any jagged sizes.
+
+    ``compile``: e.g. ``recir.lower_gpu.compile`` or ``recir.lower_tpu.compile`` (None: the StepGraph's
+    reference interpreter). ``compiles`` counts the captures so far, ``buckets`` lists their layouts,
+    ``padding`` is ``(real ids, padded slots)`` over every batch run so far.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        loss_fn: LossFn,
+        *,
+        compile: Callable[[Any], Any] | None = None,
+        overrides: Iterable[Override] = (),
+        batch_buckets: Any = None,
+    ) -> None:
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self._compile = compile
+        self._overrides = tuple(overrides)
+        self.batch_buckets = batch_buckets
+        self._steps: dict[str, Any] = {}
+        self.buckets: list[str] = []
+        self.real_ids = 0
+        self.padded_slots = 0
+
+    @property
+    def compiles(self) -> int:
+        return len(self._steps)
+
+    @property
+    def padding(self) -> tuple[int, int]:
+        return self.real_ids, self.padded_slots
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded slots per real id over the batches run so far."""
+        return self.padded_slots / self.real_ids if self.real_ids else 0.0
+
+    def step_for(self, batch: Any) -> tuple[Any, Any]:
+        """The captured (compiled) step for ``batch``'s bucket, capturing it if new, and the static batch."""
+        static = adapt_batch(batch, None, self.batch_buckets)
+        key = str(pytree.tree_structure(static))
+        if key not in self._steps:
+            step = capture_train_step(
+                self.model, self.optimizer, self.loss_fn, static, overrides=self._overrides
+            )
+            self._steps[key] = self._compile(step) if self._compile is not None else step
+            self.buckets.append(key)
+            log.info(
+                "recir.capture.BucketedStep: new bucket, capture %d: %s", len(self._steps), _layout(static)
+            )
+        return self._steps[key], static
+
+    def init_state(self, example_batch: Any) -> Any:
+        """The initial state (from the live model and optimizer), through ``example_batch``'s step."""
+        step, _ = self.step_for(example_batch)
+        return step.init_state(self.model, self.optimizer)
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        step, static = self.step_for(batch)
+        for real, capacity in _jagged_sizes(static):
+            self.real_ids += real
+            self.padded_slots += capacity - real
+        return step(state, static)
+
+
+def _jagged_leaves(static: Any) -> list[Any]:
+    # the adapter's static jagged values: anything with per-feature capacities and lengths
+    leaves = pytree.tree_leaves(static, is_leaf=lambda x: hasattr(x, "capacities"))
+    return [x for x in leaves if hasattr(x, "capacities") and hasattr(x, "lengths_")]
+
+
+def _jagged_sizes(static: Any) -> list[tuple[int, int]]:
+    return [(int(x.lengths_.sum()), int(sum(x.capacities))) for x in _jagged_leaves(static)]
+
+
+def _layout(static: Any) -> str:
+    parts = [", ".join(f"{k} {c}" for k, c in zip(x.keys_, x.capacities)) for x in _jagged_leaves(static)]
+    return "; ".join(parts) or "no jagged values"
