@@ -15,6 +15,7 @@ from ._checks import checks_enabled as checks_enabled
 from ._jagged import JaggedBatch as JaggedBatch
 from ._jagged import validate_batch as validate_batch
 from ._jagged import validate_step_batch as validate_step_batch
+from ._kjt_adapter import KeyedJaggedTensorAdapter as KeyedJaggedTensorAdapter
 from ._ops import embedding_reference as embedding_reference
 from ._overrides import DenseTBEOverride as DenseTBEOverride
 from ._overrides import DenseTBEStandIn as DenseTBEStandIn
@@ -39,6 +40,7 @@ __all__ = [
     "feature_to_table",
     "tables_from_torchrec",
     "JaggedBatch",
+    "KeyedJaggedTensorAdapter",
     "validate_batch",
     "validate_step_batch",
     "pad_to_bucket",
