@@ -85,3 +85,44 @@ def test_compile_checks_ids_and_lengths_on_the_host_before_the_step(sgd_step, va
     unchecked = compile(sgd_step(model, _loss, good), options=TPUOptions(host_checks=False))
     assert unchecked.host_checks == []
     unchecked(unchecked.init_state(model), bad)
+
+
+class PlainTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 3)
+        self.bag = nn.EmbeddingBag(7, 3, mode="sum")
+
+    def forward(self, ids, bag_ids, offsets):
+        return self.emb(ids).sum() + self.bag(bag_ids, offsets).sum()
+
+
+def _plain_loss(model, b):
+    return (model(b["ids"], b["bag_ids"], b["offsets"]) - 1.0) ** 2
+
+
+@pytest.mark.parametrize(
+    ("ids", "bag_ids", "match"),
+    [
+        (
+            [1, 10, 2],
+            [0, 1, 2, 3],
+            r"table 'emb.weight': id 10 at position 1 of batch leaf 'b0' is outside \[0, 10\)",
+        ),
+        ([1, 2, 3], [0, -3, 2, 3], r"table 'bag.weight': id -3 at position 1 .* outside \[0, 7\)"),
+    ],
+)
+def test_plain_embedding_ids_are_checked_on_the_host(sgd_step, ids, bag_ids, match):
+    # plain nn.Embedding / nn.EmbeddingBag: XLA would clamp a bad id; the host check raises first
+    model = PlainTables()
+    good = {
+        "ids": torch.tensor([1, 2, 9]),
+        "bag_ids": torch.tensor([0, 1, 2, 6]),
+        "offsets": torch.tensor([0, 2]),
+    }
+    compiled = compile(sgd_step(model, _plain_loss, good))
+    assert len(compiled.host_checks) == 2
+    state = compiled.init_state(model)
+    state, _ = compiled(state, good)
+    with pytest.raises(DataError, match=match):
+        compiled(state, dict(good, ids=torch.tensor(ids), bag_ids=torch.tensor(bag_ids)))

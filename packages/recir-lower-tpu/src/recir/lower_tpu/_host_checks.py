@@ -40,15 +40,71 @@ class HostCheck:
             torch.ops.recir.check_jagged.default(values, lengths, *self.args)
 
 
-def host_checks_of(step: StepGraph) -> list[HostCheck]:
-    """The step's ``recir::check_jagged`` nodes as host checks. A check whose values or lengths are not
-    batch inputs as they are (computed in the graph) cannot run before the step: it is logged, not kept."""
+@dataclass(frozen=True)
+class HostIdCheck:
+    """A plain ``nn.Embedding`` / ``nn.EmbeddingBag`` lookup whose ids are a batch input: every id must
+    be a row of its table (XLA would clamp an out-of-range id silently)."""
+
+    ids: int
+    table: str
+    rows: int
+    batch_leaf: str
+
+    def __call__(self, flat_batch: Sequence[Any]) -> None:
+        ids = flat_batch[self.ids]
+        if not isinstance(ids, torch.Tensor) or ids.numel() == 0:
+            return
+        bad = ((ids < 0) | (ids >= self.rows)).reshape(-1).nonzero()
+        if bad.numel():
+            from recir.transforms import DataError
+
+            i = int(bad[0, 0])
+            raise DataError(
+                f"table {self.table!r}: id {int(ids.reshape(-1)[i])} at position {i} of batch leaf "
+                f"{self.batch_leaf!r} is outside [0, {self.rows}). Fix: hash or clip ids into the table's "
+                "range, or enlarge the table."
+            )
+
+
+_PLAIN_LOOKUPS = ("aten::embedding", "aten::_embedding_bag", "aten::embedding_bag")
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _through_aliases(node: Any) -> Any:
+    """The node a chain of ``detach`` / ``alias`` (same values, same shape) starts from."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _ALIASES:
+        node = node.args[0]
+    return node
+
+
+def host_checks_of(step: StepGraph) -> list[Any]:
+    """The step's id checks as host checks: its ``recir::check_jagged`` nodes (TorchRec tables through
+    recir-embedding's overrides), and the ids of plain ``aten.embedding`` / ``aten._embedding_bag``
+    lookups that read a batch input. A check whose values are computed in the graph cannot run on the
+    host before the step: it is logged, not kept."""
     placeholders = [n for n in step.graph.nodes if n.op == "placeholder"]
     num_state = len(step.signature.state)
+    state_names = step.signature.state_names()
     batch_index = {n: i - num_state for i, n in enumerate(placeholders) if i >= num_state}
-    checks = []
+    state_index = {n: i for i, n in enumerate(placeholders) if i < num_state}
+    checks: list[Any] = []
+    seen: set[tuple[int, str]] = set()
     for node in step.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.recir.check_jagged.default:
+        if node.op != "call_function":
+            continue
+        name = node.target.name() if isinstance(node.target, torch._ops.OpOverload) else ""
+        if name.split(".")[0] in _PLAIN_LOOKUPS and len(node.args) >= 2:
+            weight, ids = _through_aliases(node.args[0]), _through_aliases(node.args[1])
+            if ids in batch_index and weight in state_index:
+                slot = state_names[state_index[weight]]
+                key = (batch_index[ids], slot)
+                if key not in seen:
+                    seen.add(key)
+                    rows = int(weight.meta["val"].shape[0])
+                    leaf = step.signature.batch[batch_index[ids]].name
+                    checks.append(HostIdCheck(batch_index[ids], slot.removeprefix("param:"), rows, leaf))
+            continue
+        if node.target is not torch.ops.recir.check_jagged.default:
             continue
         values, lengths, *rest = node.args
         if values in batch_index and lengths in batch_index:
