@@ -134,3 +134,29 @@ def test_dlrmv3_gradients_match_float64_finite_differences():
     # the embedding rows that the batch touched got gradient, the padding row none
     assert float(analytic[0][0].abs().sum()) == 0.0
     assert float(analytic[0].abs().sum()) > 0.0
+
+
+def test_dlrmv3_inference_graph_equals_eager_eval():
+    # recir.transforms.to_inference on the captured training step: the multitask logits of model.eval()
+    from recir.capture import capture_train_step
+    from recir.dlrmv3 import TrainOptions
+    from recir.dlrmv3._model import loss_fn
+    from recir.dlrmv3._train import build
+    from recir.embedding import overrides
+    from recir.transforms import to_inference, verify
+
+    opts = TrainOptions(batch_size=4, embedding_dim=16, num_layers=2, num_heads=2, uih_len=8, num_candidates=3,
+                        hash_size=200)  # fmt: skip
+    model, data, optimizers = build(opts)
+    model.train()
+    step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
+    inf = verify(to_inference(step))
+    assert inf.meta["recir.inference"]["dropouts_removed"] == 3  # input dropout + one per layer
+    assert {s.kind for s in inf.signature.state} <= {"param", "buffer"}  # no optimizer or rng state
+    sd = step.state_dict(step.init_state(model, optimizers))
+    batch = data.train_batch(1)
+    _, (logits,) = inf([sd[s.name] for s in inf.signature.state], batch)
+    model.eval()
+    with torch.no_grad():
+        _, expected = loss_fn(model, batch)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)

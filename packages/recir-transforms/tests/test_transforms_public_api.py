@@ -44,7 +44,7 @@ def test_transforms_public_surface_is_pinned():
         "regions_by_pattern", "regions_by_override", "regions_by_id", "Pipeline", "TransformRecord",
         "parse_pipeline", "parse_transform", "format_transform", "verify", "verify_level", "INVARIANTS",
         "register_graph_namespace", "format_window", "format_val", "alias_chain", "DeadCodeElimination",
-        "CommonSubexpressionElimination", "MixedPrecision", "SCOPE_KEY", "RNG_MASK_KEY", "BatchAdapter", "adapt_batch", "register_batch_adapter", "registered_batch_adapters", "RegionTime", "region_times",
+        "CommonSubexpressionElimination", "MixedPrecision", "SCOPE_KEY", "RNG_MASK_KEY", "DROPOUT_KEY", "to_inference", "INFERENCE_KEY", "BatchAdapter", "adapt_batch", "register_batch_adapter", "registered_batch_adapters", "RegionTime", "region_times",
         "format_region_table", "phase_split", "PHASE_SPLIT_KEY", "Override", "register_override",
         "register_override_op", "registered_overrides", "override_for_op", "apply_overrides", "embedding_bag",
         "embedding_bag_reference", "bag_segment_ids", "CompiledStep", "RecIRError", "VerificationError",

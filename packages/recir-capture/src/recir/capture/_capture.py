@@ -251,7 +251,7 @@ def _finish_graph(
     assert rec.ctx is not None
     grads = {node: slot for slot, node in rec.grad_nodes.items() if node is not None}
     post.tag_scopes(graph, rec.ctx.scope_marks, rec.marks["backward"], [s.name for s in slots], grads)
-    post.tag_rng_masks(graph, rec.ctx.mask_marks)
+    post.tag_rng_masks(graph, rec.ctx.mask_marks, rec.ctx.dropout_marks)
     for slot, node in rec.grad_nodes.items():
         if node is not None:
             node.meta[post.GRAD_OF_KEY] = slot

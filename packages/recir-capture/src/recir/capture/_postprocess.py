@@ -11,7 +11,15 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from recir.transforms import OVERRIDE_KEY, PHASE_KEY, RNG_MASK_KEY, SCOPE_KEY, CaptureError, override_for_op
+from recir.transforms import (
+    DROPOUT_KEY,
+    OVERRIDE_KEY,
+    PHASE_KEY,
+    RNG_MASK_KEY,
+    SCOPE_KEY,
+    CaptureError,
+    override_for_op,
+)
 
 GRAD_OF_KEY = "recir.grad_of"
 OPTIM_PARAM_KEY = "recir.optim_param"
@@ -42,9 +50,15 @@ def _module_of(slot: str) -> str:
     return slot.split(":", 1)[-1].rpartition(".")[0]
 
 
-def tag_rng_masks(graph: fx.Graph, marks: Sequence[int]) -> None:
-    """``recir.rng_mask`` on each dropout's boolean keep mask (``marks``: node positions at tracing)."""
+def tag_rng_masks(
+    graph: fx.Graph, marks: Sequence[int], dropout_marks: Sequence[tuple[int, float]] = ()
+) -> None:
+    """``recir.rng_mask`` on each dropout's boolean keep mask and ``recir.dropout`` (its p) on each
+    dropout's output ``input * scaled_mask`` (``marks``: node positions at tracing)."""
     nodes = list(graph.nodes)
+    for i, p in dropout_marks:
+        if 0 <= i < len(nodes) and nodes[i].target is torch.ops.aten.mul.Tensor:
+            nodes[i].meta[DROPOUT_KEY] = p
     for i in marks:
         if not 0 <= i < len(nodes):
             continue

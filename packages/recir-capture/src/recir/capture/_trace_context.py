@@ -57,6 +57,7 @@ class TraceContext:
         # the traced graph, and the position of every dropout keep-mask node in it (tag_rng_masks)
         self.graph: Any = None
         self.mask_marks: list[int] = []
+        self.dropout_marks: list[tuple[int, float]] = []  # (position of each dropout's output node, p)
 
     @property
     def module(self) -> str:
@@ -128,6 +129,8 @@ def _dropout(ctx: TraceContext, input: Tensor, p: float = 0.5, training: bool = 
         if ctx.graph is not None:  # the node just traced is the mask: postprocess.tag_rng_masks tags it
             ctx.mask_marks.append(len(ctx.graph.nodes) - 1)
         out = input * (keep.to(input.dtype) / (1 - p))
+        if ctx.graph is not None:
+            ctx.dropout_marks.append((len(ctx.graph.nodes) - 1, float(p)))
     if inplace:
         return input.copy_(out)
     return out

@@ -26,6 +26,8 @@ from ._errors import (
 from ._graph_util import alias_chain as alias_chain
 from ._graph_util import format_val as format_val
 from ._graph_util import format_window as format_window
+from ._inference import INFERENCE_KEY as INFERENCE_KEY
+from ._inference import to_inference as to_inference
 from ._ops import (
     bag_segment_ids as bag_segment_ids,
 )
@@ -80,6 +82,9 @@ from ._signature import (
 )
 from ._signature import (
     StateSlot as StateSlot,
+)
+from ._step import (
+    DROPOUT_KEY as DROPOUT_KEY,
 )
 from ._step import (
     OVERRIDE_KEY as OVERRIDE_KEY,
@@ -168,6 +173,9 @@ __all__ = [
     "register_batch_adapter",
     "registered_batch_adapters",
     "RNG_MASK_KEY",
+    "DROPOUT_KEY",
+    "to_inference",
+    "INFERENCE_KEY",
     # transforms
     "Transform",
     "TransformResult",

@@ -30,6 +30,9 @@ SCOPE_KEY = "recir.scope"
 #: backward both read, cheap to store (one byte per element) and costly to recompute (a counter hash).
 #: Lowerings may store it once instead of letting the backend recompute it in every consumer.
 RNG_MASK_KEY = "recir.rng_mask"
+#: On the output node of each dropout (set by recir-capture; the value is the drop probability): the
+#: node is ``input * scaled_mask``, and an inference graph replaces it by its first argument.
+DROPOUT_KEY = "recir.dropout"
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 #: Resolves the initial value of one state slot from a live model and optimizer, or returns None
