@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -88,10 +91,11 @@ class TPUCompiledStep:
         # from its own devices without another collective.
         self._multiprocess = placement.mesh is not None and jax.process_count() > 1
         out_sharding = placement.replicated() if self._multiprocess else None
+        self._fn = _ring_shift.with_ring_mesh(
+            jax_step_fn(step, self._env, out_dtypes, placement.node_sharding), placement.mesh
+        )
         self._jitted = jax.jit(
-            _ring_shift.with_ring_mesh(
-                jax_step_fn(step, self._env, out_dtypes, placement.node_sharding), placement.mesh
-            ),
+            self._fn,
             donate_argnums=(0,) if options.donate_state else (),
             in_shardings=(self._state_shardings, self._batch_shardings),
             out_shardings=(self._state_shardings, out_sharding),
@@ -161,6 +165,42 @@ class TPUCompiledStep:
                 for b, sh in zip(sig.batch, self._batch_shardings)
             ]
             return self._jitted.lower(state, batch)
+
+    def export(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Write the step as a serialised ``jax.export`` artifact (StableHLO) to ``path`` and a manifest
+        beside it (``path`` + ``.json``: inputs, outputs, shapes, dtypes, versions); returns the manifest.
+
+        The artifact needs only JAX to run: ``exp = jax.export.deserialize(open(path, "rb").read())``,
+        then ``new_state, outputs = exp.call(state, batch)`` with arrays in the manifest's order, shapes
+        and dtypes (for a serving graph, ``recir.transforms.to_inference(step)`` first). Both files are
+        written atomically. Single-device layout: a mesh's shardings are not exported.
+        """
+        from jax import export as jax_export
+
+        sig = self.step.signature
+        with self._x64():
+            state = [jax.ShapeDtypeStruct(s.shape, jax_dtype(s.dtype)) for s in sig.state]
+            batch = [jax.ShapeDtypeStruct(b.shape, jax_dtype(b.dtype)) for b in sig.batch]
+            exported = jax_export.export(jax.jit(self._fn))(state, batch)
+
+            def spec(name: str, x: Any) -> dict[str, Any]:
+                return {"name": name, "shape": list(x.shape), "dtype": str(x.dtype)}
+
+            manifest = {
+                "format": "jax.export (StableHLO), call as exp.call(state, batch)",
+                "versions": {"jax": jax.__version__, "torch": torch.__version__},
+                "x64": self.x64,
+                "state": [spec(s.name, x) for s, x in zip(sig.state, state)],
+                "batch": [spec(b.name, x) for b, x in zip(sig.batch, batch)],
+                "outputs": [
+                    spec(o.name, x) for o, x in zip(sig.outputs, exported.out_avals[len(sig.state) :])
+                ],
+                "meta": {k: v for k, v in self.step.meta.items() if k == "recir.inference"},
+            }
+        _write_atomically(Path(path), bytes(exported.serialize()))
+        _write_atomically(Path(f"{path}.json"), json.dumps(manifest, indent=2, default=str).encode())
+        logger.info("recir.lower_tpu: exported the step to %s (%d bytes)", path, Path(path).stat().st_size)
+        return manifest
 
     def __repr__(self) -> str:
         return (
@@ -280,3 +320,13 @@ def compile(
             placement.describe(),
         )
     return TPUCompiledStep(step, placement, options, embedding_backend, checks)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
