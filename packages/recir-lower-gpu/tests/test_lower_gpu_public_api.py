@@ -20,6 +20,7 @@ def test_lower_gpu_public_surface_is_pinned():
     assert set(lg.__all__) == {
         "__version__",
         "compile",
+        "export",
         "GPUCompiledStep",
         "GPUOptions",
         "INDUCTOR_MODES",

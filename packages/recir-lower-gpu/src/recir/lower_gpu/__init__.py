@@ -6,6 +6,7 @@ from ._cache import inductor_cache_dir as inductor_cache_dir
 from ._cache import recir_cache_dir as recir_cache_dir
 from ._compile import compile as compile
 from ._compile import resolve_device as resolve_device
+from ._export import export as export
 from ._options import INDUCTOR_MODES as INDUCTOR_MODES
 from ._options import GPUOptions as GPUOptions
 from ._step import GPUCompiledStep as GPUCompiledStep
@@ -16,6 +17,7 @@ __all__ = [
     "__version__",
     # lowering
     "compile",
+    "export",
     "GPUCompiledStep",
     "GPUOptions",
     "INDUCTOR_MODES",

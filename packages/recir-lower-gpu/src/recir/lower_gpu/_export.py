@@ -1,0 +1,66 @@
+"""``export(step, path)``: a StepGraph as an AOTInductor package (``.pt2``) that runs with torch alone.
+
+For serving: ``recir.transforms.to_inference(step)`` first. The embedding lookups are inlined as plain
+ATen (recir-embedding's ``in_graph`` backend, no sparse updates, no run-time id checks), the graph is
+moved to ``device`` and exported with ``torch.export``, and AOTInductor compiles it into one package.
+Load it anywhere torch is: ``torch._inductor.aoti_load_package(path)(*state, *batch)`` returns the new
+state then the outputs; the manifest beside it (``path`` + ``.json``) lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from recir.transforms import StepGraph
+
+from ._compile import resolve_device
+from ._prepare import copy_graph_module, retarget_devices
+
+log = logging.getLogger("recir.lower_gpu")
+
+
+def export(step: StepGraph, path: str | os.PathLike[str], *, device: Any = None) -> dict[str, Any]:
+    """Write ``step`` as an AOTInductor package to ``path`` (atomically) and a manifest beside it;
+    returns the manifest. ``device``: CUDA when present, else the CPU (as ``compile``)."""
+    from recir.embedding import prepare_for_lowering
+
+    dev = resolve_device(device)
+    started = time.perf_counter()
+    prepared = prepare_for_lowering(
+        step, backend="in_graph", target="gpu", device=dev, sparse_updates=False, keep_checks=False
+    )
+    gm = copy_graph_module(prepared.graph_module)
+    retarget_devices(gm, dev)
+    sig = prepared.signature
+    example = [torch.zeros(s.shape, dtype=s.dtype, device=dev) for s in sig.state]
+    example += [torch.zeros(b.shape, dtype=b.dtype, device=dev) for b in sig.batch]
+    program = torch.export.export(gm, tuple(example))
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.pt2")
+    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+    os.replace(tmp, target)
+
+    def spec(name: str, shape: Any, dtype: torch.dtype) -> dict[str, Any]:
+        return {"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+
+    manifest = {
+        "format": "AOTInductor package; torch._inductor.aoti_load_package(path)(*state, *batch) -> (*state, *outputs)",
+        "device": str(dev),
+        "versions": {"torch": torch.__version__},
+        "state": [spec(s.name, s.shape, s.dtype) for s in sig.state],
+        "batch": [spec(b.name, b.shape, b.dtype) for b in sig.batch],
+        "outputs": [spec(o.name, o.shape, o.dtype) for o in sig.outputs],
+        "meta": {k: v for k, v in step.meta.items() if k == "recir.inference"},
+    }
+    tmp_json = target.with_name(f".{target.name}.json.tmp-{os.getpid()}")
+    tmp_json.write_text(json.dumps(manifest, indent=2, default=str))
+    os.replace(tmp_json, Path(f"{target}.json"))
+    log.info("recir.lower_gpu: exported the step to %s in %.1f s", target, time.perf_counter() - started)
+    return manifest
