@@ -1,4 +1,4 @@
-"""The `recir-dlrmv3` console script: `train`, `parity` and `prepare` subcommands."""
+"""The `recir-dlrmv3` console script: `train`, `parity`, `export`, `predict` and `prepare` subcommands."""
 
 from __future__ import annotations
 
@@ -211,6 +211,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     pp.add_argument("--atol", type=float, default=1e-4, help="tolerance (default %(default)s)")
 
+    ex = sub.add_parser(
+        "export",
+        help="a trained checkpoint as a served model (AOTInductor package or jax.export artifact)",
+        description="Rebuild the model from a checkpoint, derive its serving graph (the multitask logits, no "
+        "dropout) and write it for the GPU stack (an AOTInductor .pt2, runs with torch alone) or the TPU "
+        "stack (a jax.export StableHLO artifact, runs with JAX alone), a manifest (OUT.json) and the "
+        "parameters (OUT.state.npz).",
+    )
+    ex.add_argument("--checkpoint", required=True, help="a step-N checkpoint, or a directory (its latest)")
+    ex.add_argument("--target", required=True, choices=("gpu", "tpu"), help="the serving stack")
+    ex.add_argument("--out", required=True, help="the artifact's path (OUT.json and OUT.state.npz beside it)")
+    _add_logging(ex)
+    pd = sub.add_parser(
+        "predict",
+        help="run an exported model over eval batches",
+        description="Load an artifact written by `export` and print the metrics of `train` (NE, accuracy, "
+        "AUC, GAUC per task) over eval batches of its dataset (or --dataset).",
+    )
+    pd.add_argument("--artifact", required=True, help="the file `export --out` wrote")
+    pd.add_argument("--dataset", choices=DATASETS, default=None, help="default: the one it was trained on")
+    pd.add_argument("--data_dir", default=None, help="directory holding the processed dataset file")
+    pd.add_argument("--num_batches", type=int, default=16, help="eval batches (default %(default)s)")
+    _add_logging(pd)
+
     pr = sub.add_parser(
         "prepare",
         help="convert raw public dataset files",
@@ -252,8 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     # TorchRec asks torch.fx whether it is tracing on every call; torch logs a warning about that API.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     try:
-        if args.command in ("train", "parity"):
+        if args.command in ("train", "parity", "export", "predict"):
             _setup_logging(args.log_level, args.log_file)
+        if args.command in ("export", "predict"):
+            from ._export import export_model, predict
+            from ._logs import log_info
+
+            if args.command == "export":
+                export_model(args.checkpoint, args.target, args.out, log=log_info)
+            elif args.num_batches < 1:
+                print(f"error: --num_batches must be >= 1, got {args.num_batches}", file=sys.stderr)
+                return 2
+            else:
+                predict(args.artifact, args.num_batches, args.dataset, args.data_dir, log=log_info)
+            return 0
         if args.command == "train":
             from ._train import train
 

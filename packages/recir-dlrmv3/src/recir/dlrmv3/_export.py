@@ -1,0 +1,161 @@
+"""`recir-dlrmv3 export` and `predict`: a trained checkpoint as a served model on either stack.
+
+`export` rebuilds the model from the checkpoint's recorded options, loads its parameters, captures the
+training step, turns it into the serving graph (`recir.transforms.to_inference`: the multitask logits,
+no dropout) and writes an AOTInductor package (`--target gpu`, runs with torch alone) or a `jax.export`
+artifact (`--target tpu`, runs with JAX alone), the manifest beside it and the parameters as
+`<out>.state.npz`. `predict` runs such an artifact over a dataset's eval batches and prints the
+metrics `train` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from recir.transforms import ConfigError, DataError
+
+from ._options import TrainOptions
+
+
+def _options(recorded: dict[str, Any], **changes: Any) -> TrainOptions:
+    names = {f.name for f in dataclasses.fields(TrainOptions)}
+    kept = {k: v for k, v in recorded.items() if k in names}
+    kept.update(changes)
+    # run-only flags of the training run: not the served model's business
+    for key in ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "tensorboard_dir", "profile"):
+        kept.pop(key, None)
+    return TrainOptions(**kept)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def export_model(
+    checkpoint: str, target: str, out: str, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest."""
+    from recir.capture import capture_train_step
+    from recir.embedding import overrides
+    from recir.transforms import to_inference
+
+    from ._checkpoint import load_checkpoint
+    from ._model import loss_fn
+    from ._train import build
+    from ._trainers import load_slots_into_model
+
+    if target not in ("gpu", "tpu"):
+        raise ConfigError(f"--target must be gpu or tpu for export, got {target!r}")
+    state, meta = load_checkpoint(checkpoint)
+    opts = _options(meta.get("options", {}), target=target)
+    model, data, optimizers = build(opts)
+    load_slots_into_model(model, state)
+    model.train()
+    log(f"export: {checkpoint} (step {meta.get('step')}) for --target {target}")
+    step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
+    serving = to_inference(step)  # aux.0: the multitask logits
+    tensors = serving.init_state(model, optimizers)
+    out_path = Path(out)
+    if target == "gpu":
+        from recir.lower_gpu import export
+
+        manifest = export(serving, out_path)
+    else:
+        from recir.lower_tpu import compile
+
+        manifest = compile(serving).export(out_path)
+    state_file = Path(f"{out_path}.state.npz")
+    tmp = state_file.with_name(f".{state_file.name}.tmp-{os.getpid()}.npz")
+    np.savez(tmp, **{s.name: t.detach().cpu().numpy() for s, t in zip(serving.signature.state, tensors)})
+    os.replace(tmp, state_file)
+    manifest["state_file"] = state_file.name
+    manifest["dlrmv3"] = {
+        "target": target,
+        "checkpoint": str(checkpoint),
+        "step": meta.get("step"),
+        "options": dataclasses.asdict(opts),
+    }
+    _write_json(Path(f"{out_path}.json"), manifest)
+    log(f"export: wrote {out_path}, {state_file.name} and {out_path.name}.json")
+    return manifest
+
+
+def predict(
+    artifact: str,
+    num_batches: int,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Run the exported `artifact` over `num_batches` eval batches; returns (and logs) the metrics."""
+    from ._metrics import MetricAccumulator
+    from ._train import build
+
+    manifest_path = Path(f"{artifact}.json")
+    if not manifest_path.is_file():
+        raise DataError(
+            f"{manifest_path}: no manifest beside the artifact. Fix: pass a file written by export"
+        )
+    manifest = json.loads(manifest_path.read_text())
+    info = manifest.get("dlrmv3")
+    if not info:
+        raise DataError(f"{manifest_path}: not a recir-dlrmv3 export (no 'dlrmv3' section)")
+    changes: dict[str, Any] = {}
+    if dataset is not None:
+        changes["dataset"] = dataset
+    if data_dir is not None:
+        changes["data_dir"] = data_dir
+    opts = _options(info["options"], **changes)
+    model, data, _ = build(opts)  # labels and batches only: the artifact computes the logits
+    arrays = np.load(Path(artifact).parent / manifest["state_file"])
+    state = [arrays[s["name"]] for s in manifest["state"]]
+    run = _runner(info["target"], artifact, state, manifest)
+    acc = MetricAccumulator(tuple(t.name for t in data.spec.tasks))
+    for batch in data.eval_batches(num_batches):
+        labels, weights = model.labels(batch)
+        acc.update(run(pytree.tree_leaves(batch)), labels, weights)
+    metrics = acc.compute()
+    log(
+        f"predict: {artifact} on {opts.dataset}, {num_batches} batch(es): "
+        + " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    )
+    return metrics
+
+
+def _runner(
+    target: str, artifact: str, state: list[Any], manifest: dict[str, Any]
+) -> Callable[[list[Any]], torch.Tensor]:
+    if target == "gpu":
+        device = torch.device(manifest.get("device", "cpu"))
+        package = torch._inductor.aoti_load_package(str(artifact))
+        tstate = [torch.from_numpy(np.asarray(x)).to(device) for x in state]
+
+        def run_gpu(flat: list[Any]) -> torch.Tensor:
+            return package(*tstate, *[t.to(device) for t in flat])[-1].cpu()
+
+        return run_gpu
+    import jax
+    from jax import export as jax_export
+
+    exp = jax_export.deserialize(bytearray(Path(artifact).read_bytes()))
+    dtypes = [b["dtype"] for b in manifest["batch"]]
+    with jax.enable_x64(bool(manifest.get("x64"))):
+        jstate = [jax.numpy.asarray(x) for x in state]
+
+    def run_tpu(flat: list[Any]) -> torch.Tensor:
+        with jax.enable_x64(bool(manifest.get("x64"))):
+            batch = [np.asarray(t).astype(d) for t, d in zip(flat, dtypes)]
+            _, outs = exp.call(jstate, batch)
+        return torch.from_numpy(np.asarray(outs[0]))
+
+    return run_tpu
