@@ -55,7 +55,14 @@ def test_exported_package_runs_with_torch_alone(tmp_path, lower_gpu_cache_dir, m
         "y": torch.tensor([0, 1]),
     }
     serving = to_inference(capture_train_step(model, opt, _loss, batch), "aux.0")
+    import os
+
+    from torch._inductor import config as inductor_config
+
+    before = (inductor_config.save_config(), os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     manifest = lg.export(serving, tmp_path / "model.pt2", device="cpu")
+    # AOTInductor's global writes are undone (else later compiles in this process miss the FX graph cache)
+    assert (inductor_config.save_config(), os.environ.get("TORCHINDUCTOR_CACHE_DIR")) == before
     assert json.loads((tmp_path / "model.pt2.json").read_text()) == manifest
     assert manifest["outputs"] == [{"name": "aux.0", "shape": [2, 2], "dtype": "float32"}]
 

@@ -9,10 +9,12 @@ state then the outputs; the manifest beside it (``path`` + ``.json``) lists them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,25 @@ from ._compile import resolve_device
 from ._prepare import copy_graph_module, retarget_devices
 
 log = logging.getLogger("recir.lower_gpu")
+
+
+@contextlib.contextmanager
+def _no_global_side_effects() -> Iterator[None]:
+    """AOTInductor (torch 2.9) writes into the process's Inductor config (``aot_inductor.metadata``) and
+    sets ``TORCHINDUCTOR_CACHE_DIR``: later compiles in the process would then key and cache differently
+    from a fresh one (no FX-graph-cache hits across processes). Put both back."""
+    from torch._inductor import config as inductor_config
+
+    saved = inductor_config.save_config()
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        yield
+    finally:
+        inductor_config.load_config(saved)
+        if env is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = env
 
 
 def export(step: StepGraph, path: str | os.PathLike[str], *, device: Any = None) -> dict[str, Any]:
@@ -40,11 +61,12 @@ def export(step: StepGraph, path: str | os.PathLike[str], *, device: Any = None)
     sig = prepared.signature
     example = [torch.zeros(s.shape, dtype=s.dtype, device=dev) for s in sig.state]
     example += [torch.zeros(b.shape, dtype=b.dtype, device=dev) for b in sig.batch]
-    program = torch.export.export(gm, tuple(example))
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+    with _no_global_side_effects():
+        program = torch.export.export(gm, tuple(example))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
     os.replace(tmp, target)
 
     def spec(name: str, shape: Any, dtype: torch.dtype) -> dict[str, Any]:
