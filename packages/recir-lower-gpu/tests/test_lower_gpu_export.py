@@ -9,10 +9,8 @@ import sys
 
 import recir.lower_gpu as lg
 import torch
-import torch.nn.functional as F
-from recir.capture import capture_train_step
+from recir.capture import capture_train_step, testing
 from recir.transforms import to_inference
-from torch import nn
 
 _CHILD = r"""
 import sys
@@ -27,34 +25,13 @@ print(any(m == "recir" or m.startswith("recir.") for m in sys.modules if sys.mod
 """
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.EmbeddingBag(20, 4, mode="sum")
-        self.fc = nn.Linear(4 + 3, 2)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, ids, offsets, dense):
-        return self.fc(self.drop(torch.cat([self.emb(ids, offsets), dense], 1)))
-
-
-def _loss(model, b):
-    logits = model(b["ids"], b["offsets"], b["dense"])
-    return F.cross_entropy(logits, b["y"]), logits
-
-
 def test_exported_package_runs_with_torch_alone(tmp_path, lower_gpu_cache_dir, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", lower_gpu_cache_dir)
     torch.manual_seed(0)
-    model = Net()
+    model = testing.ServingModel()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    batch = {
-        "ids": torch.tensor([1, 5, 7, 3]),
-        "offsets": torch.tensor([0, 2]),
-        "dense": torch.randn(2, 3),
-        "y": torch.tensor([0, 1]),
-    }
-    serving = to_inference(capture_train_step(model, opt, _loss, batch), "aux.0")
+    batch = testing.serving_batch()
+    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
     import os
 
     from torch._inductor import config as inductor_config

@@ -10,11 +10,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from recir.capture import capture_train_step
+from recir.capture import capture_train_step, testing
 from recir.lower_tpu import compile
 from recir.transforms import to_inference
-from torch import nn
 
 pytestmark = pytest.mark.tpu
 
@@ -36,33 +34,12 @@ print("torch" in sys.modules and sys.modules["torch"] is not None)
 """
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.EmbeddingBag(20, 4, mode="sum")
-        self.fc = nn.Linear(4 + 3, 2)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, ids, offsets, dense):
-        return self.fc(self.drop(torch.cat([self.emb(ids, offsets), dense], 1)))
-
-
-def _loss(model, b):
-    logits = model(b["ids"], b["offsets"], b["dense"])
-    return F.cross_entropy(logits, b["y"]), logits
-
-
 def test_exported_serving_graph_runs_with_jax_alone(tmp_path):
     torch.manual_seed(0)
-    model = Net()
+    model = testing.ServingModel()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    batch = {
-        "ids": torch.tensor([1, 5, 7, 3]),
-        "offsets": torch.tensor([0, 2]),
-        "dense": torch.randn(2, 3),
-        "y": torch.tensor([0, 1]),
-    }
-    step = capture_train_step(model, opt, _loss, batch)
+    batch = testing.serving_batch()
+    step = capture_train_step(model, opt, testing.serving_loss, batch)
     serving = to_inference(step, "aux.0")
     compiled = compile(serving)
     manifest = compiled.export(tmp_path / "model.jaxexport")

@@ -55,6 +55,31 @@ class TransformerBlock(nn.Module):
         return self.head(x.mean(dim=1)).squeeze(-1)
 
 
+class ServingModel(nn.Module):
+    """A table, dense features and dropout into two logits: the serving-graph/export tests' model
+    (``serving_loss`` returns ``(loss, logits)``, so ``to_inference(step, "aux.0")`` keeps the logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 4, mode="sum")
+        self.fc = nn.Linear(4 + 3, 2)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, ids: Tensor, offsets: Tensor, dense: Tensor) -> Tensor:
+        return self.fc(self.drop(torch.cat([self.emb(ids, offsets), dense], 1)))
+
+
+def serving_loss(model: nn.Module, b: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    logits = model(b["ids"], b["offsets"], b["dense"])
+    return F.cross_entropy(logits, b["y"]), logits
+
+
+def serving_batch() -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"ids": torch.tensor([1, 5, 7, 3]), "offsets": torch.tensor([0, 2]), "dense": torch.randn(2, 3, generator=g),
+            "y": torch.tensor([0, 1])}  # fmt: skip
+
+
 class EmbeddingBagModel(nn.Module):
     """Two ``nn.EmbeddingBag`` tables (sum with offsets and per-sample weights; mean over 2-D ids) + MLP."""
 

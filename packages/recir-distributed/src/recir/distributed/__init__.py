@@ -16,6 +16,7 @@ from ._checkpoint import verify_checkpoint as verify_checkpoint
 from ._checkpoint_manager import CheckpointManager as CheckpointManager
 from ._checkpoint_manager import latest_checkpoint as latest_checkpoint
 from ._checkpoint_manager import list_checkpoints as list_checkpoints
+from ._checkpoint_manager import write_atomically as write_atomically
 from ._distribute import DISTRIBUTED_META as DISTRIBUTED_META
 from ._distribute import communication_bytes as communication_bytes
 from ._distribute import distribute as distribute
@@ -47,6 +48,7 @@ from ._transforms.sync_buffers import SyncBuffers as SyncBuffers
 __version__ = "0.1.0"
 
 __all__ = [
+    "write_atomically",
     # meshes and modes
     "Mesh",
     "DataParallel",

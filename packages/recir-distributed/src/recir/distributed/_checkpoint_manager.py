@@ -76,11 +76,14 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Readers see the old contents or the new, never a torn file (write, fsync, rename)."""
-    tmp = path.parent / f".{path.name}.tmp"
-    with tmp.open("w") as f:
-        f.write(text)
+def write_atomically(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Readers see the old contents or the new, never a torn file (write a temporary beside it, fsync,
+    rename). Creates the parent directory. Checkpoint manifests and exported artifacts use it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with tmp.open("wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -161,8 +164,8 @@ class CheckpointManager:
         kept, dropped = names[-self.keep :], names[: -self.keep]
         if _dist()[1] == 0:
             body = {"format": 1, "run_id": self.run_id, "checkpoints": kept}
-            _write_atomic(self.directory / MANIFEST_FILE, json.dumps(body, indent=1))
-            _write_atomic(self.directory / LATEST_FILE, name)
+            write_atomically(self.directory / MANIFEST_FILE, json.dumps(body, indent=1))
+            write_atomically(self.directory / LATEST_FILE, name)
             for old in dropped:
                 shutil.rmtree(self.directory / old, ignore_errors=True)
         self._names = kept

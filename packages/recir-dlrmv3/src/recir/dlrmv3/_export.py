@@ -11,8 +11,8 @@ metrics `train` prints.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,17 +35,12 @@ def _options(recorded: dict[str, Any], **changes: Any) -> TrainOptions:
     return TrainOptions(**kept)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def export_model(
     checkpoint: str, target: str, out: str, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest."""
     from recir.capture import capture_train_step
+    from recir.distributed import write_atomically
     from recir.embedding import overrides
     from recir.transforms import to_inference
 
@@ -66,26 +61,27 @@ def export_model(
     serving = to_inference(step)  # aux.0: the multitask logits
     tensors = serving.init_state(model, optimizers)
     out_path = Path(out)
+    state_file = Path(f"{out_path}.state.npz")
+    buffer = io.BytesIO()
+    np.savez(buffer, **{s.name: t.detach().cpu().numpy() for s, t in zip(serving.signature.state, tensors)})
+    write_atomically(state_file, buffer.getvalue())
+    extra = {
+        "state_file": state_file.name,
+        "dlrmv3": {
+            "target": target,
+            "checkpoint": str(checkpoint),
+            "step": meta.get("step"),
+            "options": dataclasses.asdict(opts),
+        },
+    }
     if target == "gpu":
         from recir.lower_gpu import export
 
-        manifest = export(serving, out_path)
+        manifest = export(serving, out_path, extra=extra)
     else:
         from recir.lower_tpu import compile
 
-        manifest = compile(serving).export(out_path)
-    state_file = Path(f"{out_path}.state.npz")
-    tmp = state_file.with_name(f".{state_file.name}.tmp-{os.getpid()}.npz")
-    np.savez(tmp, **{s.name: t.detach().cpu().numpy() for s, t in zip(serving.signature.state, tensors)})
-    os.replace(tmp, state_file)
-    manifest["state_file"] = state_file.name
-    manifest["dlrmv3"] = {
-        "target": target,
-        "checkpoint": str(checkpoint),
-        "step": meta.get("step"),
-        "options": dataclasses.asdict(opts),
-    }
-    _write_json(Path(f"{out_path}.json"), manifest)
+        manifest = compile(serving).export(out_path, extra=extra)
     log(f"export: wrote {out_path}, {state_file.name} and {out_path.name}.json")
     return manifest
 

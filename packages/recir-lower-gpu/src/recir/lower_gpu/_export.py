@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,17 @@ def _no_global_side_effects() -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = env
 
 
-def export(step: StepGraph, path: str | os.PathLike[str], *, device: Any = None) -> dict[str, Any]:
+def export(
+    step: StepGraph,
+    path: str | os.PathLike[str],
+    *,
+    device: Any = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write ``step`` as an AOTInductor package to ``path`` (atomically) and a manifest beside it;
-    returns the manifest. ``device``: CUDA when present, else the CPU (as ``compile``)."""
+    returns the manifest. ``device``: CUDA when present, else the CPU (as ``compile``). ``extra``: more
+    manifest fields (e.g. the application's options)."""
+    from recir.distributed import write_atomically
     from recir.embedding import prepare_for_lowering
 
     dev = resolve_device(device)
@@ -80,9 +88,8 @@ def export(step: StepGraph, path: str | os.PathLike[str], *, device: Any = None)
         "batch": [spec(b.name, b.shape, b.dtype) for b in sig.batch],
         "outputs": [spec(o.name, o.shape, o.dtype) for o in sig.outputs],
         "meta": {k: v for k, v in step.meta.items() if k == "recir.inference"},
+        **(extra or {}),
     }
-    tmp_json = target.with_name(f".{target.name}.json.tmp-{os.getpid()}")
-    tmp_json.write_text(json.dumps(manifest, indent=2, default=str))
-    os.replace(tmp_json, Path(f"{target}.json"))
+    write_atomically(f"{target}.json", json.dumps(manifest, indent=2, default=str))
     log.info("recir.lower_gpu: exported the step to %s in %.1f s", target, time.perf_counter() - started)
     return manifest

@@ -166,16 +166,18 @@ class TPUCompiledStep:
             ]
             return self._jitted.lower(state, batch)
 
-    def export(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+    def export(self, path: str | os.PathLike[str], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Write the step as a serialised ``jax.export`` artifact (StableHLO) to ``path`` and a manifest
         beside it (``path`` + ``.json``: inputs, outputs, shapes, dtypes, versions); returns the manifest.
 
         The artifact needs only JAX to run: ``exp = jax.export.deserialize(open(path, "rb").read())``,
         then ``new_state, outputs = exp.call(state, batch)`` with arrays in the manifest's order, shapes
         and dtypes (for a serving graph, ``recir.transforms.to_inference(step)`` first). Both files are
-        written atomically. Single-device layout: a mesh's shardings are not exported.
+        written atomically. Single-device layout: a mesh's shardings are not exported. ``extra``: more
+        manifest fields (e.g. the application's options).
         """
         from jax import export as jax_export
+        from recir.distributed import write_atomically
 
         sig = self.step.signature
         with self._x64():
@@ -196,9 +198,10 @@ class TPUCompiledStep:
                     spec(o.name, x) for o, x in zip(sig.outputs, exported.out_avals[len(sig.state) :])
                 ],
                 "meta": {k: v for k, v in self.step.meta.items() if k == "recir.inference"},
+                **(extra or {}),
             }
-        _write_atomically(Path(path), bytes(exported.serialize()))
-        _write_atomically(Path(f"{path}.json"), json.dumps(manifest, indent=2, default=str).encode())
+        write_atomically(path, bytes(exported.serialize()))
+        write_atomically(f"{path}.json", json.dumps(manifest, indent=2, default=str))
         logger.info("recir.lower_tpu: exported the step to %s (%d bytes)", path, Path(path).stat().st_size)
         return manifest
 
@@ -320,13 +323,3 @@ def compile(
             placement.describe(),
         )
     return TPUCompiledStep(step, placement, options, embedding_backend, checks)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
