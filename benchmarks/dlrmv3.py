@@ -56,6 +56,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         layer_dropout=args.layer_dropout,
         num_threads=args.threads,
         precision=args.precision,
+        host_memory=args.host_memory,
         seed=0,
     )
     model, data, optimizers = build(opts)
@@ -114,7 +115,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
 
 def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str) -> list[str]:
     keep = ("embedding_dim", "num_layers", "num_heads", "num_candidates", "hash_size", "threads", "steps",
-            "rounds", "warmup", "input_dropout", "layer_dropout")  # fmt: skip
+            "rounds", "warmup", "input_dropout", "layer_dropout", "host_memory")  # fmt: skip
     out = [sys.executable, __file__, "--one", "--uih", str(uih), "--target", target, "--precision", precision]
     out += ["--device", args.device, "--batch_size", str(args.batch_size)]
     for k in keep:
@@ -149,6 +150,13 @@ def main() -> None:
     p.add_argument("--num_heads", type=int, default=4)
     p.add_argument("--num_candidates", type=int, default=10)
     p.add_argument("--hash_size", type=int, default=100_000, help="rows per table (the peers cap at 100K)")
+    p.add_argument(
+        "--host_memory",
+        choices=("retain", "release"),
+        default="retain",
+        help="every row, eager included: keep freed host memory between steps (recir-dlrmv3's default) or "
+        "return it to the OS (the C library's default, what the reference loop's figures ran with)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (the peer figures: 2)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="steps per round (default %(default)s)")
@@ -178,7 +186,7 @@ def main() -> None:
         )
     print(f"device {device}, {args.threads} CPU thread(s), torch {torch.__version__}, dim {args.embedding_dim}, "
           f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over "
-          f"{args.rounds} rounds of {args.steps} steps; 'vs ref' = reference loop ms / ours "
+          f"{args.rounds} rounds of {args.steps} steps; host memory {args.host_memory}; 'vs ref' = reference loop ms / ours "
           "(docs/dlrmv3-reference.md: 2 CPU threads, so CPU runs only)")  # fmt: skip
     head = (
         f"{'uih':>5} {'batch':>5} {'target':>13} {'prec':>5} {'compile s':>9} {'min ms':>8} {'median ms':>9}"

@@ -27,6 +27,7 @@ def test_lower_gpu_public_surface_is_pinned():
         "resolve_device",
         "inductor_cache_dir",
         "recir_cache_dir",
+        "retain_host_memory",
         "LoweringError",
     }
     assert lg.LoweringError is LoweringError

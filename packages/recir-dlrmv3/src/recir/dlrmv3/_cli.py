@@ -33,6 +33,14 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (0 = inline)")
     g.add_argument("--seed", type=int, default=0, help="seed of the model init, dropout and synthetic data")
     g.add_argument("--num_threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    g.add_argument(
+        "--host_memory",
+        choices=("retain", "release"),
+        default=d["host_memory"],
+        help="retain: keep freed host memory for the next step instead of returning it to the OS (glibc; "
+        "saves the page faults of re-touching every activation each step); release: the C library's "
+        "default (default %(default)s)",
+    )
     m = p.add_argument_group("model")
     for name in ("embedding_dim", "num_layers", "num_heads", "uih_len", "num_candidates", "hash_size"):
         m.add_argument(f"--{name}", type=int, default=d[name], help="default %(default)s")

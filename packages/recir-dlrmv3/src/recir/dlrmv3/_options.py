@@ -53,6 +53,9 @@ class TrainOptions:
     sparse_lr: float = 1e-3
     optimizer: str = "reference"
     num_threads: int = 0
+    # "retain": freed host memory stays in the process between steps (recir.lower_gpu.retain_host_memory;
+    # glibc only), "release": the C library's default (returned to the OS, faulted in again next step)
+    host_memory: str = "retain"
     parallel: str = "none"
     mesh: str | None = None
     # multi-process (multi-host) JAX on the TPU path: jax.distributed's coordinator, process count and id
@@ -99,6 +102,8 @@ class TrainOptions:
         for key in ("input_dropout", "layer_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise config_error(f"--{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.host_memory not in ("retain", "release"):
+            raise config_error(f"unknown --host_memory {self.host_memory!r}; expected retain or release")
         for key in ("checkpoint_dir", "tensorboard_dir", "profile"):
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:

@@ -51,6 +51,10 @@ def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]
     opts.check()
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
+    if opts.host_memory == "retain":
+        from recir.lower_gpu import retain_host_memory
+
+        retain_host_memory()
     config = opts.model_config()
     data = make_data(opts.dataset, config, batch_size=opts.batch_size, seed=opts.seed, data_dir=opts.data_dir)
     torch.manual_seed(opts.seed)

@@ -7,6 +7,7 @@ from ._cache import recir_cache_dir as recir_cache_dir
 from ._compile import compile as compile
 from ._compile import resolve_device as resolve_device
 from ._export import export as export
+from ._host_memory import retain_host_memory as retain_host_memory
 from ._options import INDUCTOR_MODES as INDUCTOR_MODES
 from ._options import GPUOptions as GPUOptions
 from ._step import GPUCompiledStep as GPUCompiledStep
@@ -22,6 +23,8 @@ __all__ = [
     "GPUOptions",
     "INDUCTOR_MODES",
     "resolve_device",
+    # host runtime
+    "retain_host_memory",
     # compile cache
     "inductor_cache_dir",
     "recir_cache_dir",
