@@ -102,8 +102,10 @@ class TrainOptions:
         for key in ("input_dropout", "layer_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise config_error(f"--{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.host_memory not in ("retain", "release"):
-            raise config_error(f"unknown --host_memory {self.host_memory!r}; expected retain or release")
+        if self.host_memory not in ("retain", "heap", "release"):
+            raise config_error(
+                f"unknown --host_memory {self.host_memory!r}; expected retain, heap or release"
+            )
         for key in ("checkpoint_dir", "tensorboard_dir", "profile"):
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:

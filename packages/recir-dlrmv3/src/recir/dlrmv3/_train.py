@@ -51,10 +51,10 @@ def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]
     opts.check()
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
-    if opts.host_memory == "retain":
+    if opts.host_memory != "release":
         from recir.lower_gpu import retain_host_memory
 
-        retain_host_memory()
+        retain_host_memory(heap_only=opts.host_memory == "heap")
     config = opts.model_config()
     data = make_data(opts.dataset, config, batch_size=opts.batch_size, seed=opts.seed, data_dir=opts.data_dir)
     torch.manual_seed(opts.seed)

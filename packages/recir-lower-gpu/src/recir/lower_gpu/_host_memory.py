@@ -32,11 +32,19 @@ _log = logging.getLogger("recir.lower_gpu")
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 _GLIBC_MMAP_CEILING_MIB = 32  # glibc refuses larger thresholds (HEAP_MAX_SIZE / 2 on 64-bit)
 
 
-def retain_host_memory(*, top_pad_mib: int = 64, mmap_threshold_mib: int = _GLIBC_MMAP_CEILING_MIB) -> bool:
+def retain_host_memory(
+    *, top_pad_mib: int = 64, mmap_threshold_mib: int = _GLIBC_MMAP_CEILING_MIB, heap_only: bool = False
+) -> bool:
     """Make this process keep freed host memory for reuse instead of returning it to the OS.
+
+    ``heap_only``: also serve blocks above the mmap threshold from one heap (no mmap, one malloc arena
+    for all threads), so they keep their pages too; what XLA's CPU runtime needs (its buffers are large
+    and allocated from its own threads). Call it before other threads allocate.
 
     Returns True when applied, False (with a debug log line saying why) where the C library is not
     glibc (musl, macOS, Windows), where nothing changes. Raises ValueError for out-of-range sizes.
@@ -61,7 +69,8 @@ def retain_host_memory(*, top_pad_mib: int = 64, mmap_threshold_mib: int = _GLIB
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     applied = (
-        mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+        (not heap_only or (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_ARENA_MAX, 1)))
+        and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
         and mallopt(_M_TOP_PAD, top_pad_mib << 20)
         and mallopt(_M_MMAP_THRESHOLD, mmap_threshold_mib << 20)
     )
