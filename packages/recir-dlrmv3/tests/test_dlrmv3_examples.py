@@ -7,17 +7,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
+from _dlrmv3_commands import ROOT, SMOKE
 from _dlrmv3_output import LOG_LINE, messages
 from recir.dlrmv3._cli import train_main
 
-# The smoke command of the README and docs/dlrmv3.md (`--embedding_backend in_graph`: `cpu` is not built)
-SMOKE = ["--dataset", "debug", "--batch_size", "4", "--num_workers", "0", "--num_train_batches", "6",
-         "--embedding_dim", "64", "--num_layers", "1", "--uih_len", "16", "--num_candidates", "4",
-         "--hash_size", "1000", "--log_every", "1"]  # fmt: skip
-PACKAGE = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "packages" / "recir-dlrmv3"
 
 
 def test_dlrmv3_tpu_example_runs_the_smoke_command():
