@@ -89,3 +89,17 @@ def test_dlrmv3_wheel_ships_the_example_entry_points(tmp_path):
     # one PEP 420 namespace `recir` across the distributions; `recir.examples` is one too, so that other
     # distributions may ship examples beside these
     assert "recir/__init__.py" not in names and "recir/examples/__init__.py" not in names
+
+
+# ids "gpu.train", not "gpu": the root conftest skips tests with a `gpu` keyword where no CUDA is
+@pytest.mark.parametrize("entry", ["tpu", "gpu"], ids=lambda entry: f"{entry}.train")
+def test_dlrmv3_example_help_names_its_target_and_imports_no_torch(entry):
+    code = (
+        "import runpy, sys\nsys.argv = ['train', '--help']\ntry:\n"
+        f"    runpy.run_module('recir.examples.dlrmv3.{entry}.train', run_name='__main__')\n"
+        "except SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "usage: recir-dlrmv3 train" in out and "--dry_run" in out
+    assert f"(default: {entry})" in " ".join(out.split()), out
+    assert out.splitlines()[-1] == "False"

@@ -118,9 +118,8 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
     from ._options import TrainOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
-    defaults["target"] = (
-        train_target  # None: default_target() after parsing: it imports torch, --help need not
-    )
+    # None: default_target() after parsing (it imports torch; --help need not)
+    defaults["target"] = train_target
     parser = argparse.ArgumentParser(prog="recir-dlrmv3", description="DLRMv3 (HSTU ranking) on RecIR.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
