@@ -8,7 +8,10 @@ import fnmatch
 import importlib.util
 import json
 import math
+import os
 import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from types import ModuleType
@@ -97,6 +100,13 @@ def test_dockerfile_installs_from_the_lock_and_runs_the_smoke_command(kind, tmp_
     assert words[words.index("--group") + 1] == group and words.count("--group") == 1, words
     groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["dependency-groups"]
     assert group in groups
+    if shutil.which("uv"):  # the image's own sync resolves from the committed lock (nothing installed)
+        sync_words = words[words.index("uv") :]
+        env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(tmp_path / "venv")}
+        proc = subprocess.run([*sync_words, "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env=env)  # fmt: skip
+        assert proc.returncode == 0 and "Would install" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+        assert not (tmp_path / "venv").exists()
     # the workspace and its lock are in the image before the sync, and the build context keeps them
     copied = [
         shlex.split(args)[:-1] for name, args in steps[:sync] if name == "COPY" and "--from" not in args
