@@ -93,6 +93,8 @@ CLI: list[tuple[str, Argv, list[str]]] = [
     ("overwrite without dir", lambda t, c: ["train", "--overwrite"], ["--overwrite", "needs --checkpoint_dir"]),
     ("resume and overwrite", lambda t, c: ["train", "--checkpoint_dir", str(c), "--resume", "--overwrite"],
      ["--resume and --overwrite", "Fix: pass one of them"]),
+    ("embedding_backend cpu (not built)", lambda t, c: ["train", "--embedding_backend", "cpu"],
+     ["--embedding_backend cpu", "not available yet", "Fix: --embedding_backend in_graph"]),
     ("mesh off the TPU path", lambda t, c: ["train", "--target", "eager", "--mesh", "data=2"],
      ["--mesh", "Fix: --target tpu"]),
     ("batch not splitting over the mesh",

@@ -7,7 +7,15 @@ import dataclasses
 import logging
 import sys
 
-from ._config import DATASETS, EMBEDDING_BACKENDS, OPTIMIZERS, PARALLEL, PRECISIONS, TARGETS
+from ._config import (
+    DATASETS,
+    EMBEDDING_BACKENDS,
+    OPTIMIZERS,
+    PARALLEL,
+    PLANNED_EMBEDDING_BACKENDS,
+    PRECISIONS,
+    TARGETS,
+)
 
 
 def default_target() -> str:
@@ -67,9 +75,10 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     )
     c.add_argument(
         "--embedding_backend",
-        choices=EMBEDDING_BACKENDS,
+        choices=EMBEDDING_BACKENDS + PLANNED_EMBEDDING_BACKENDS,
         default=None,
-        help="embedding kernels of a compiled target",
+        help="embedding kernels of a compiled target (default: fbgemm on CUDA, in_graph elsewhere; cpu, "
+        "tables on the host, is not available yet)",
     )
     c.add_argument(
         "--cuda_graphs",
@@ -112,11 +121,13 @@ def _patterns(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
+    """The CLI; `train_target` is train's default --target (None: default_target() after parsing)."""
     from ._options import TrainOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
-    defaults["target"] = None  # default_target() after parsing: it imports torch, --help need not
+    # None: default_target() after parsing (it imports torch; --help need not)
+    defaults["target"] = train_target
     parser = argparse.ArgumentParser(prog="recir-dlrmv3", description="DLRMv3 (HSTU ranking) on RecIR.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +140,12 @@ def _parser() -> argparse.ArgumentParser:
         "--num_train_batches", type=int, default=defaults["num_train_batches"], help="default %(default)s"
     )
     r.add_argument("--log_every", type=int, default=defaults["log_every"], help="default %(default)s")
+    r.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="check the flags, data and checkpoint directory and build the model, then exit without "
+        "training (no device, process group or JAX job is started)",
+    )
     r.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     r.add_argument(
         "--num_eval_batches", type=int, default=defaults["num_eval_batches"], help="default %(default)s"
@@ -206,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the same model and batches eagerly and through --target; print per-step "
         "loss / parameter / optimizer-state differences; exit 1 past --atol.",
     )
-    parity_defaults = dict(defaults, input_dropout=0.0, layer_dropout=0.0, optimizer="adagrad")
+    parity_defaults = dict(defaults, target=None, input_dropout=0.0, layer_dropout=0.0, optimizer="adagrad")
     _add_model_and_data(pp, parity_defaults)
     _add_logging(pp)
     pp.add_argument(
@@ -276,7 +293,17 @@ def _setup_logging(level: str, log_file: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    return _run(_parser().parse_args(argv))
+
+
+def train_main(target: str, argv: list[str] | None = None) -> int:
+    """`python -m recir.examples.dlrmv3.<target>.train FLAGS`: exactly `recir-dlrmv3 train FLAGS` with
+    `target` as the default --target."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return _run(_parser(train_target=target).parse_args(["train", *args]))
+
+
+def _run(args: argparse.Namespace) -> int:
     from recir.transforms import RecIRError
 
     if getattr(args, "target", "") is None:
@@ -299,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                 predict(args.artifact, args.num_batches, args.dataset, args.data_dir, log=log_info)
             return 0
         if args.command == "train":
-            from ._train import train
+            from ._train import dry_run, train
 
+            if args.dry_run:
+                dry_run(_options(args))  # type: ignore[arg-type]
+                return 0
             try:
                 train(_options(args))  # type: ignore[arg-type]
             finally:

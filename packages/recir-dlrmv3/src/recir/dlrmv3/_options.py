@@ -110,7 +110,16 @@ class TrainOptions:
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
             raise config_error("--checkpoint_every needs --checkpoint_dir")
-        from ._config import PARALLEL, PRECISIONS
+        from ._config import PARALLEL, PLANNED_EMBEDDING_BACKENDS, PRECISIONS
+
+        if self.embedding_backend in PLANNED_EMBEDDING_BACKENDS:
+            raise config_error(
+                f"--embedding_backend {self.embedding_backend} (tables on the host through TorchRec's CPU "
+                "kernels, the dense step on the device) is not available yet: the StepGraph split at the "
+                "embedding boundary is not built. Fix: --embedding_backend in_graph (lookups and sparse "
+                "row-wise updates inside the compiled step, on --target gpu and tpu), or leave the flag out "
+                "for the target's default."
+            )
 
         if self.precision not in PRECISIONS:
             raise config_error(

@@ -24,7 +24,7 @@ from ._parallel import check_batch_split, local_batch
 from ._profile import StepProfiler
 from ._resume import checkpoint_meta, open_checkpoints, restore, resume_point
 from ._tensorboard import learning_rates, open_writer, write_hparams
-from ._trainers import Trainer, make_trainer
+from ._trainers import Trainer, check_parallel, engine, make_trainer
 
 
 @dataclass
@@ -130,6 +130,28 @@ def _checkpoint(
         from recir.lower_tpu import sync_processes
 
         sync_processes(f"recir-dlrmv3-checkpoint-{done}")
+
+
+def dry_run(opts: TrainOptions, log: Callable[[str], None] = log_info) -> DLRMv3:
+    """`train --dry_run`: every check `train` makes before it trains that needs no device, process group
+    or other process (flags, checkpoint directory and a resumed checkpoint, dataset files, mesh syntax and
+    batch split, the target's engine), and the model, data and optimizers built; then nothing more."""
+    resume_point(opts)  # flags, then the checkpoint directory (reads only)
+    model, data, _ = build(opts)
+    check_parallel(opts.target, opts.parallel, opts.mesh is not None)
+    if opts.mesh is not None:
+        from ._parallel import parse_mesh
+
+        check_batch_split(opts.batch_size, parse_mesh(opts.mesh).data_size)
+    if opts.target != "eager":
+        engine("gpu" if opts.target == "eager-graph" else opts.target)  # installed and importable
+    params = sum(p.numel() for p in model.parameters())
+    log(
+        f"dry run: flags valid; DLRMv3 with {params:,} parameters on {opts.dataset} "
+        f"({data.batches_per_epoch} batches of {opts.batch_size} per epoch), target {opts.target}; "
+        "nothing trained"
+    )
+    return model
 
 
 def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainResult:

@@ -248,6 +248,17 @@ def precision_pipeline(precision: str) -> Any:
     )
 
 
+def check_parallel(target: str, parallel: str, has_mesh: bool) -> None:
+    """Refuses a --parallel / --mesh that `target` cannot run (a ConfigError naming the fix)."""
+    if target == "eager" and (parallel != "none" or has_mesh):
+        raise ConfigError(
+            "--parallel / --mesh need the captured step. Fix: --target eager-graph (interpreted), "
+            "--target gpu (torchrun) or --target tpu --mesh data=N."
+        )
+    if target == "tpu" and parallel != "none" and not has_mesh:
+        raise ConfigError("--target tpu --parallel needs --mesh (e.g. --mesh data=8): GSPMD splits the step")
+
+
 def make_trainer(
     target: str,
     model: DLRMv3,
@@ -264,22 +275,14 @@ def make_trainer(
     `eager-graph`) trains this rank's recir.distributed program (`example` is then this rank's batch).
     `device` places the eager trainer only; the GPU path picks CUDA itself when present.
     `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the single-device lowering's compile()."""
+    check_parallel(target, parallel, mesh is not None)
     if target == "eager":
-        if parallel != "none" or mesh is not None:
-            raise ConfigError(
-                "--parallel / --mesh need the captured step. Fix: --target eager-graph (interpreted), "
-                "--target gpu (torchrun) or --target tpu --mesh data=N."
-            )
         return EagerTrainer(model, optimizers, precision, device)
     if target == "tpu" and mesh is not None:
         return CompiledTrainer(
             model, optimizers, example, target, embedding_backend, mesh, parallel, precision
         )
     if parallel != "none":
-        if target == "tpu":
-            raise ConfigError(
-                "--target tpu --parallel needs --mesh (e.g. --mesh data=8): GSPMD splits the step"
-            )
         from ._parallel import DistributedTrainer
 
         return DistributedTrainer(  # type: ignore[return-value]

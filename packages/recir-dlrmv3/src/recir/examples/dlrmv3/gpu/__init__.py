@@ -1,0 +1,1 @@
+"""The DLRMv3 trainer on the GPU path (Inductor; on the CPU device without CUDA)."""
