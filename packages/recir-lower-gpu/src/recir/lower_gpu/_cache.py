@@ -56,21 +56,26 @@ def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, tuple[str]]:
     return (_ident, (str(fmt),))
 
 
-def stabilize_cache_keys() -> bool:
-    """Make Inductor's cache keys independent of import order (idempotent; False if torch changed).
+@contextlib.contextmanager
+def stable_cache_keys() -> Iterator[bool]:
+    """Inductor's cache keys independent of import order, for the duration of a block (yields False when
+    this torch has no such pickler; nests; undone on exit, so other torch.compile users never see it).
 
     ``torch.memory_format`` pickles as a global named ``torch.contiguous_format``, which pickle resolves
     by scanning ``sys.modules`` for the first module with a ``torch`` attribute: the key's bytes then
     depend on which modules a process imported first (a pytest run and a script disagree), so a
-    second process misses the cache. The key-only picklers get a reducer that writes the name.
+    second process misses the cache. Inside the block the key-only picklers get a reducer that writes
+    the name.
     """
     try:
         from torch._inductor.codecache import FxGraphCachePickler
     except ImportError:
-        return False
+        yield False
+        return
     init = FxGraphCachePickler.__init__
-    if getattr(init, "_recir_stable", False):
-        return True
+    if getattr(init, "_recir_stable", False):  # an enclosing block installed it
+        yield True
+        return
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -79,4 +84,7 @@ def stabilize_cache_keys() -> bool:
 
     __init__._recir_stable = True  # type: ignore[attr-defined]
     FxGraphCachePickler.__init__ = __init__  # type: ignore[method-assign]
-    return True
+    try:
+        yield True
+    finally:
+        FxGraphCachePickler.__init__ = init  # type: ignore[method-assign]

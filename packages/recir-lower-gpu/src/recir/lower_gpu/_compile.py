@@ -6,6 +6,7 @@ in-place epilogue, under a fake mode with a shape env so the FX graph and AOTAut
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -17,11 +18,11 @@ from recir.transforms import ConfigError, LoweringError, StepGraph, verify, veri
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from ._cache import inductor_cache_dir, recir_cache_dir, stabilize_cache_keys, using_cache_dir
+from ._cache import inductor_cache_dir, recir_cache_dir, stable_cache_keys, using_cache_dir
 from ._cudagraph import CudaGraphStep
 from ._distributed import distribute_for_lowering
 from ._embedding import apply_embedding_backend
-from ._isa import memoize_cpu_isa_probe
+from ._isa import memoized_cpu_isa_probe
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
 from ._step import GPUCompiledStep
@@ -161,11 +162,14 @@ def compile(
         options.mode,
         cache_dir if options.cache else "off",
     )
-    if dev.type == "cpu" and options.memoize_cpu_isa_probe:
-        memoize_cpu_isa_probe(recir_cache_dir())
-    stabilize_cache_keys()
+    memo_isa = dev.type == "cpu" and options.memoize_cpu_isa_probe
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-    with using_cache_dir(cache_dir):
+    # Every change to torch's state lasts only for the compile (no global side effects).
+    with (
+        using_cache_dir(cache_dir),
+        stable_cache_keys(),
+        memoized_cpu_isa_probe(recir_cache_dir()) if memo_isa else contextlib.nullcontext(),
+    ):
         try:
             fn = _compile_fx(
                 gm, _fake_inputs(prepared, dev, fake_mode), fake_mode, options.inductor_patches(dev.type)

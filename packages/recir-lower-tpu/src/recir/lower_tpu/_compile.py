@@ -22,7 +22,7 @@ from recir.transforms import ConfigError, DataError, StepGraph, verify, verify_l
 from torch import nn
 
 from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
-from ._cache import cache_hits, enable_compile_cache
+from ._cache import cache_hits, compile_cache
 from ._convert import jax_dtype, to_jax, to_torch
 from ._host_checks import HostCheck, host_checks_of
 from ._multihost import gather_to_every_process
@@ -214,7 +214,13 @@ class TPUCompiledStep:
     # -- internals ----------------------------------------------------------------------------------
     def _compile(self, state: list[jax.Array], batch: list[jax.Array]) -> None:
         start, hits = time.perf_counter(), cache_hits()
-        self._compiled = self._jitted.lower(state, batch).compile()
+        opts = self.options
+        # Measured with jax 0.10.2: an executable that a CPU process loads from the persistent cache
+        # hangs in its first cross-process collective, so multi-process CPU jobs compile afresh.
+        multi_cpu = jax.default_backend() == "cpu" and jax.process_count() > 1
+        cache = compile_cache(opts.cache_dir, enabled=opts.persistent_cache and not multi_cpu)
+        with cache:  # JAX's cache options set for this compile only, then put back
+            self._compiled = self._jitted.lower(state, batch).compile()
         self._compile_seconds = time.perf_counter() - start
         self._cache_hit = cache_hits() > hits
         logger.info(
@@ -308,12 +314,7 @@ def compile(
     )
     backend = jax.default_backend()
     if options.persistent_cache and backend == "cpu" and jax.process_count() > 1:
-        # Measured with jax 0.10.2: an executable that a CPU process loads from the persistent cache
-        # hangs in its first cross-process collective, so multi-process CPU jobs compile afresh.
-        jax.config.update("jax_enable_compilation_cache", False)
         logger.info("recir.lower_tpu: persistent compile cache off (multi-process JAX on CPU)")
-    elif options.persistent_cache:
-        enable_compile_cache(options.cache_dir)
     if backend == "tpu":
         logger.info("recir.lower_tpu: lowering to TPU, %s", placement.describe())
     else:
