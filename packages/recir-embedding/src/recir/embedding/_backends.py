@@ -6,6 +6,7 @@ kernels; ``in_graph`` inlines the pure-ATen reference (traceable: Inductor and t
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -93,7 +94,7 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
                 "embedding backend 'ring_shift' is the TPU path (JAX/Pallas over row-sharded tables); "
                 f"target is {target!r}. Fix: use 'fbgemm', 'torchrec' or 'in_graph' on GPU."
             )
-        _ring_shift._jax()  # a clear ImportError when JAX is missing
+        _require_lower_tpu()
         if not row_sharded:
             raise ConfigError(
                 "embedding backend 'ring_shift' needs row-wise sharded tables on a mesh, and none were given "
@@ -101,6 +102,16 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
                 "row-wise, e.g. recir.lower_tpu.compile(step, rd.plan(step, rd.row_wise(), mesh, "
                 "batch='global'), mesh=..., embedding_backend='ring_shift'), or use backend='in_graph'."
             )
+
+
+def _require_lower_tpu() -> None:
+    """The ring_shift ops are lowered by recir.lower_tpu (JAX); found without importing either."""
+    missing = [m for m in ("jax", "recir.lower_tpu") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"the 'ring_shift' embedding backend needs JAX and recir-lower-tpu, which lowers its ops "
+            f"(missing: {', '.join(missing)}). Fix: install recir-lower-tpu (it brings jax and torchax)."
+        )
 
 
 def _inline(step: StepGraph, node: fx.Node, fn: Callable[..., Any], args: list[fx.Node]) -> None:

@@ -1,7 +1,8 @@
-"""The ``ring_shift`` embedding backend on the TPU path: lowerings of ``recir::ring_shift_*`` lookups.
+"""The ``ring_shift`` embedding backend on the TPU path: lowerings of recir-embedding's
+``recir::ring_shift_*`` lookups to ``ring_shift_lookup`` (``_ring_kernel.py``).
 
 Row-sharded tables come from the plan; the mesh reaches the lowerings through a context that
-``TPUCompiledStep`` sets while JAX traces the step (ids travel a device ring, ``ring_shift_lookup``).
+``TPUCompiledStep`` sets while JAX traces the step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from recir.transforms import ConfigError
 
 from ._lowerings import pool_bags
 from ._registry import register_jax_lowering
+from ._ring_kernel import ring_shift_lookup
 
 _MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("recir_lower_tpu_ring_mesh", default=None)
 
@@ -52,8 +54,6 @@ def with_ring_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
 
 
 def _lookup(weight: Any, ids: Any, axis: str) -> Any:
-    from recir.embedding import ring_shift_lookup
-
     mesh = _MESH.get()
     if mesh is None or axis not in mesh.shape:
         raise ConfigError(
