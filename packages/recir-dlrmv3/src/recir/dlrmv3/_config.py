@@ -119,6 +119,8 @@ TARGETS = ("eager", "eager-graph", "gpu", "tpu")
 # fp32 everywhere, or bf16 matrix products with fp32 master weights and optimizer state
 PRECISIONS = ("fp32", "bf16")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
+# --table_sharding: row-, table-, column-wise, or the planner's choice by memory budget
+TABLE_SHARDINGS = ("row", "table", "column", "auto")
 EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
 OPTIMIZERS = ("reference", "adam", "adagrad")
 DATASETS: tuple[str, ...] = ("debug", "debug-random", "movielens-1m", "movielens-20m", "kuairand-1k")
