@@ -15,7 +15,12 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from recir.lower_tpu import local_gather, local_scatter_add, ring_shift_lookup  # noqa: E402
+from recir.lower_tpu import (  # noqa: E402
+    local_gather,
+    local_scatter_add,
+    ring_shift_lookup,
+    ring_shift_scatter_add,
+)
 
 ROWS, DIM = 24, 5
 HLO = True
@@ -138,6 +143,26 @@ RING_CASES = {
 def test_ring_over_eight_shards_matches_take(case: str) -> None:
     _eight()
     _ring_case(8, RING_CASES[case], HLO)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", sorted(RING_CASES))
+def test_ring_scatter_add_over_eight_shards(case: str) -> None:
+    """Every device's rows go round the ring into their owners' shards, duplicates summed."""
+    _eight()
+    ids = RING_CASES[case]
+    mesh = Mesh(np.array(jax.devices()[:8]), ("model",))
+    table = _table(rows=64, dim=3)
+    updates = jax.random.normal(jax.random.key(4), (ids.shape[0], 3))
+    t = jax.device_put(table, NamedSharding(mesh, P("model", None)))
+    i = jax.device_put(jnp.asarray(ids), NamedSharding(mesh, P("model")))
+    u = jax.device_put(updates, NamedSharding(mesh, P("model", None)))
+    out = jax.jit(lambda a, b, c: ring_shift_scatter_add(a, b, c, mesh, "model", block=8))(t, i, u)
+    owned = (ids >= 0) & (ids < 64)
+    want = np.asarray(table).copy()
+    np.add.at(want, ids[owned], np.asarray(updates)[owned])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-6)
+    assert out.sharding.spec[0] == "model"
 
 
 @pytest.mark.tpu

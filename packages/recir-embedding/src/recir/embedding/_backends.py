@@ -198,7 +198,44 @@ def _apply_backend(
                     node.args = (*node.args, _ring_axis(step, node, row_sharded or {}))
                 node.target = getattr(torch.ops.recir, f"{backend}_embedding").default
                 node.meta[OVERRIDE_KEY] = f"recir-embedding-{backend}"
+    if backend == "ring_shift":
+        counts["row_updates"] = _ring_row_updates(step, row_sharded or {})
     return counts
+
+
+_INDEX_SELECT = torch.ops.aten.index_select.default
+_INDEX_PUT = torch.ops.aten.index_put.default
+
+
+def _ring_row_updates(step: StepGraph, row_sharded: Mapping[str, str]) -> int:
+    """The sparse row update's reads and writes of row-sharded slots (tables and their row-wise optimizer
+    state) become ring ops: ``index_select(slot, 0, rows)`` -> ``recir::ring_shift_embedding``, and
+    ``index_put(slot, [rows], delta, accumulate=True)`` -> ``recir::ring_shift_index_add``, so the rows
+    are read from and added into their owner shards."""
+    changed = 0
+    for node in list(step.graph.nodes):
+        if node.op != "call_function" or node.target not in (_INDEX_SELECT, _INDEX_PUT):
+            continue
+        slot = _table_slot(step, node.args[0])
+        if slot is None or slot not in row_sharded:
+            continue
+        axis = row_sharded[slot]
+        if node.target == _INDEX_SELECT and node.args[1] == 0:
+            node.target = torch.ops.recir.ring_shift_embedding.default
+            node.args = (node.args[0], node.args[2], axis)
+        elif (
+            node.target == _INDEX_PUT
+            and len(node.args) == 4
+            and node.args[3] is True
+            and len(node.args[1]) == 1
+        ):
+            node.target = torch.ops.recir.ring_shift_index_add.default
+            node.args = (node.args[0], node.args[1][0], node.args[2], axis)
+        else:
+            continue
+        node.meta[OVERRIDE_KEY] = "recir-embedding-ring_shift"
+        changed += 1
+    return changed
 
 
 def _warn_dense_tables(stats: Mapping[str, Any]) -> None:

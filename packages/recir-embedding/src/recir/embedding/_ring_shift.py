@@ -45,14 +45,33 @@ def _ring_bag_fake(weight, indices, offsets, per_sample_weights, mode, axis):
 
 @torch.library.custom_op("recir::ring_shift_embedding", mutates_args=())
 def ring_shift_embedding(weight: Tensor, ids: Tensor, axis: str) -> Tensor:
-    """``recir::embedding`` of a table row-sharded over mesh axis ``axis`` (forward only)."""
+    """``weight[ids]`` of a row-sharded table or row-wise optimizer state (forward only): a sequence
+    lookup, or the sparse row update's read of the touched rows."""
     return ring_shift_embedding_reference(weight, ids, axis)
 
 
 @ring_shift_embedding.register_fake
 def _ring_emb_fake(weight, ids, axis):
-    return weight.new_empty(ids.shape[0], weight.shape[1])
+    return weight.new_empty(ids.shape[0], *weight.shape[1:])
 
 
-for _op in ("ring_shift_embedding_bag", "ring_shift_embedding"):
+def ring_shift_index_add_reference(weight: Tensor, ids: Tensor, updates: Tensor, axis: str) -> Tensor:
+    """Pure-ATen form: ``weight.index_put((ids,), updates, accumulate=True)``."""
+    del axis
+    return weight.index_put((ids,), updates, accumulate=True)
+
+
+@torch.library.custom_op("recir::ring_shift_index_add", mutates_args=())
+def ring_shift_index_add(weight: Tensor, ids: Tensor, updates: Tensor, axis: str) -> Tensor:
+    """The sparse row update's write of a row-sharded table or its row-wise optimizer state: ``updates``
+    added to rows ``ids`` (a new tensor); recir.lower_tpu scatter-adds them into the owner shards."""
+    return ring_shift_index_add_reference(weight, ids, updates, axis)
+
+
+@ring_shift_index_add.register_fake
+def _ring_index_add_fake(weight, ids, updates, axis):
+    return torch.empty_like(weight)
+
+
+for _op in ("ring_shift_embedding_bag", "ring_shift_embedding", "ring_shift_index_add"):
     register_override_op(f"recir::{_op}", RING_SHIFT_BACKEND)

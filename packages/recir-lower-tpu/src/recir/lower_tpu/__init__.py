@@ -16,6 +16,7 @@ from ._registry import registered_jax_lowerings as registered_jax_lowerings
 from ._ring_kernel import local_gather as local_gather
 from ._ring_kernel import local_scatter_add as local_scatter_add
 from ._ring_kernel import ring_shift_lookup as ring_shift_lookup
+from ._ring_kernel import ring_shift_scatter_add as ring_shift_scatter_add
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "node_seconds",
     # the ring shift (row-sharded lookups) and its Pallas TPU kernels
     "ring_shift_lookup",
+    "ring_shift_scatter_add",
     "local_gather",
     "local_scatter_add",
     # lowerings of ops

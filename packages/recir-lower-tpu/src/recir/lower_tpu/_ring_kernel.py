@@ -1,6 +1,7 @@
 """The ring shift's Pallas TPU kernels and the ring itself: row gather (forward) and row scatter-add
-(backward) over a table shard left in HBM, and ``ring_shift_lookup``, a row-sharded ``table[ids]``
-with a ``custom_vjp`` whose backward scatter-adds row gradients into the owner shard.
+(backward) over a table shard left in HBM; ``ring_shift_lookup``, a row-sharded ``table[ids]`` with a
+``custom_vjp`` whose backward scatter-adds row gradients into the owner shard, and
+``ring_shift_scatter_add``, that scatter-add on its own (the training step's row update).
 
 Sizes: ``block`` ids per grid step (default 128). Per block the gather kernel holds in VMEM its output
 block (double-buffered by Pallas: ``2 * block * D * itemsize``) and its own two row buffers
@@ -199,6 +200,51 @@ def local_scatter_add(
     )(padded, padded, summed, acc)
 
 
+def _ring_scatter_add(
+    acc: Any, ids: Any, updates: Any, *, axis: str, rows_total: int, scatter_add: Any
+) -> Any:
+    """Per device (inside ``shard_map``): this device's ``ids``/``updates`` go round the ring; at each hop
+    every device scatter-adds the rows it owns into its shard ``acc``. Returns the new shard."""
+    n = jax.lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    base = jax.lax.axis_index(axis) * acc.shape[0]
+    # dedupe once at home: the ids then stay unique on every hop (scatter_add dedupes again, cheaply)
+    uniq, summed = _dedupe(ids, updates, rows_total)
+
+    def hop(_: int, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        ids_c, upd_c, out = carry
+        out = scatter_add(out, ids_c - base, upd_c)
+        return jax.lax.ppermute(ids_c, axis, ring), jax.lax.ppermute(upd_c, axis, ring), out
+
+    return jax.lax.fori_loop(0, n, hop, (uniq, summed, acc))[2]
+
+
+def ring_shift_scatter_add(
+    table: Any,
+    ids: Any,
+    updates: Any,
+    mesh: Any,
+    axis: str,
+    *,
+    block: int | None = None,
+    interpret: Interpret = None,
+) -> Any:
+    """``table.at[ids].add(updates)`` with ``table`` row-sharded and ``ids``/``updates`` sharded over
+    mesh axis ``axis`` (counts divisible by its size); ids outside ``[0, rows)`` are dropped. Every
+    device's ids and rows go round the ring and each owner adds them into its shard in place
+    (``local_scatter_add``); the result is sharded like ``table``."""
+    add = functools.partial(local_scatter_add, block=block, interpret=interpret)
+    per_device = functools.partial(_ring_scatter_add, axis=axis, rows_total=table.shape[0], scatter_add=add)
+    fn = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(axis, None), P(axis), P(axis, None)),
+        out_specs=P(axis, None),
+        check_vma=False,
+    )
+    return fn(table, ids, updates)
+
+
 def ring_shift_lookup(
     table: Any, ids: Any, mesh: Any, axis: str, *, block: int | None = None, interpret: Interpret = None
 ) -> Any:
@@ -238,17 +284,9 @@ def ring_shift_lookup(
 
     def bwd(res: tuple[Any, Any], g: Any) -> tuple[Any, None]:
         my_ids, grad0 = res
-        base = jax.lax.axis_index(axis) * rows_per
-        # dedupe once at home: the ids then stay unique on every hop (scatter_add dedupes again, cheaply)
-        uniq, summed = _dedupe(my_ids, g, table.shape[0])
-
-        def hop(_: int, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-            ids_c, g_c, grad = carry
-            grad = scatter_add(grad, ids_c - base, g_c)
-            return jax.lax.ppermute(ids_c, axis, ring), jax.lax.ppermute(g_c, axis, ring), grad
-
-        grad = jax.lax.fori_loop(0, n, hop, (uniq, summed, grad0))[2]
-        return grad, None
+        return _ring_scatter_add(
+            grad0, my_ids, g, axis=axis, rows_total=table.shape[0], scatter_add=scatter_add
+        ), None
 
     per_device.defvjp(fwd, bwd)
     fn = jax.shard_map(
