@@ -180,7 +180,9 @@ def _tpu_mesh(n: int):
     return AbstractMesh((n,), ("x",), abstract_device=device)
 
 
-@pytest.mark.parametrize(("dim", "dtype"), [(16, jnp.float32), (128, jnp.bfloat16), (512, jnp.float32)])
+@pytest.mark.parametrize(
+    ("dim", "dtype"), [(1, jnp.float32), (16, jnp.float32), (128, jnp.bfloat16), (512, jnp.float32)]
+)
 def test_kernels_lower_to_mosaic_for_a_tpu(dim: int, dtype) -> None:
     """Mosaic's rules hold (HBM touched only by DMA, ids read as SMEM scalars, legal block shapes):
     interpret mode would accept a kernel that loads the table from HBM; this lowering refuses it."""
