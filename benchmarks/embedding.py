@@ -5,7 +5,12 @@ the printed ratio (large / small step time) should be ~1.0 (goal <= 1.2) on each
 the dense-gradient baseline (``nn.EmbeddingBag`` + ``torch.optim``), whose step grows with the table.
 Each (path, size) runs in its own process so peak-memory numbers are not mixed.
 
+``--ring`` instead compares, on 8 JAX host devices (``JAX_PLATFORMS=cpu``, not a TPU), a row-sharded
+table's lookups through the ring shift (recir-lower-tpu's Pallas kernels, interpret mode) against
+GSPMD's own partitioned gather: the bare lookup (forward + backward) and the compiled training step.
+
     uv run python benchmarks/embedding.py [--paths interpreter,lower_gpu,lower_tpu,baseline] [--steps 20]
+    uv run python benchmarks/embedding.py --ring [--ring-rows 100000] [--steps 20]
 """
 
 from __future__ import annotations
@@ -141,6 +146,103 @@ def worker(path: str, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+RING_DEVICES = 8
+
+
+def _median_ms(run: Any, steps: int, warmup: int) -> float:
+    for i in range(warmup):
+        run(i)
+    times = []
+    for i in range(warmup, warmup + steps):
+        t0 = time.perf_counter()
+        run(i)
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def ring_worker(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``backend`` (in_graph: GSPMD's gather, or ring_shift) on a table row-sharded over 8 host devices."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import recir.distributed as rd
+    import recir.lower_tpu
+    import torch
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from recir.capture import capture_train_step
+    from recir.embedding import overrides
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    if jax.device_count() < RING_DEVICES:
+        raise SystemExit(f"needs {RING_DEVICES} JAX devices, found {jax.device_count()}")
+    torch.manual_seed(0)
+    rows, dim = args.ring_rows, args.dim
+    # the bare lookup, forward + backward: table[ids] and the table's gradient, both sharded over "x"
+    mesh = Mesh(np.array(jax.devices()[:RING_DEVICES]), ("x",))
+    table = jax.device_put(jnp.ones((rows, dim), jnp.float32), NamedSharding(mesh, P("x", None)))
+    n_ids = args.batch * args.ids_per_sample
+    ids = [
+        jax.device_put(
+            jnp.asarray(np.random.default_rng(k).integers(0, rows, n_ids)), NamedSharding(mesh, P("x"))
+        )
+        for k in range(args.steps + args.warmup)
+    ]
+    if backend == "ring_shift":
+        lookup = lambda t, i: recir.lower_tpu.ring_shift_lookup(t, i, mesh, "x")  # noqa: E731
+    else:
+        lookup = lambda t, i: jnp.take(t, i, axis=0)  # noqa: E731
+    fwd_bwd = jax.jit(jax.value_and_grad(lambda t, i: (lookup(t, i) ** 2).sum()))
+    lookup_ms = _median_ms(lambda k: jax.block_until_ready(fwd_bwd(table, ids[k])), args.steps, args.warmup)
+    # the training step: an EmbeddingBagCollection table, SGD, planned row-wise over the 8 devices
+    batches = _batches(rows, args, args.steps + args.warmup)
+    model = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"])]
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    step = capture_train_step(model, opt, _loss_fn, batches[0][0], overrides=overrides())
+    plan = rd.plan(step, rd.row_wise(), rd.Mesh(axes={"data": RING_DEVICES}), batch="global")
+    compiled = recir.lower_tpu.compile(step, plan, mesh=plan.mesh, embedding_backend=backend)
+    holder = {"state": compiled.init_state(model, opt)}
+
+    def train(k: int) -> None:
+        holder["state"], out = compiled(holder["state"], batches[k][0])
+
+    t0 = time.perf_counter()
+    train(0)
+    compile_s = time.perf_counter() - t0
+    step_ms = _median_ms(train, args.steps, args.warmup)
+    return {"backend": backend, "lookup_ms": lookup_ms, "step_ms": step_ms, "compile_s": compile_s}
+
+
+def ring_main(args: argparse.Namespace, passthrough: list[str]) -> None:
+    print(
+        f"row-sharded table of {args.ring_rows:,} rows x {args.dim} over {RING_DEVICES} JAX host devices "
+        f"(JAX's CPU backend, not a TPU), batch {args.batch}, ~{args.ids_per_sample} ids/sample; "
+        f"median of {args.steps} steps"
+    )
+    header = f"{'lookup':<22} {'lookup fwd+bwd ms':>18} {'train step ms':>14} {'compile s':>10}"
+    print(header)
+    print("-" * len(header))
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={RING_DEVICES}",
+    }
+    names = {"in_graph": "GSPMD gather (in_graph)", "ring_shift": "ring shift (Pallas)"}
+    for backend in ("in_graph", "ring_shift"):
+        cmd = [sys.executable, __file__, "--ring-worker", backend, *passthrough]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            err = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"{names[backend]:<22} unavailable: {err[:120]}")
+            continue
+        r = json.loads(line[0][7:])
+        print(f"{names[backend]:<22} {r['lookup_ms']:18.2f} {r['step_ms']:14.2f} {r['compile_s']:10.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--paths", default=",".join(PATHS))
@@ -158,16 +260,25 @@ def main() -> None:
         help="draw ids from the small table's range for both sizes (separates table size from cache misses)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    p.add_argument("--ring", action="store_true", help="ring shift vs GSPMD gather on 8 JAX host devices")
+    p.add_argument("--ring-rows", type=int, default=100_000, help="--ring: table rows (divisible by 8)")
     p.add_argument("--worker", nargs=2, metavar=("PATH", "ROWS"), help=argparse.SUPPRESS)
+    p.add_argument("--ring-worker", metavar="BACKEND", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker[0], int(args.worker[1]), args)))
         return
+    if args.ring_worker:
+        print("RESULT " + json.dumps(ring_worker(args.ring_worker, args)))
+        return
     passthrough = [
         f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f"={v}")
         for k, v in vars(args).items()
-        if k not in ("paths", "worker") and v is not False
+        if k not in ("paths", "worker", "ring", "ring_worker") and v is not False and v is not None
     ]
+    if args.ring:
+        ring_main(args, passthrough)
+        return
     print(
         f"embedding step time: tables of {args.small:,} and {args.large:,} rows x {args.dim}, batch {args.batch}, "
         f"~{args.ids_per_sample} ids/sample (SGD), median of {args.steps} steps"

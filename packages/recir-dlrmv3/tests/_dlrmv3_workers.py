@@ -31,9 +31,11 @@ SMALL = dict(
 VARIED = dict(SMALL, num_candidates=4, seed=1, checkpoint_every=2)
 
 
-def run_rank_modes(rank: int, world: int, port: int, out: str, modes: list[str]) -> None:
-    """`train --target eager-graph --parallel MODE` (VARIED) for each mode in one process group, each run
-    checkpointing under out/MODE; losses and log lines go to out/modes-rank{rank}.json."""
+def run_rank_modes(
+    rank: int, world: int, port: int, out: str, modes: list[str], table_sharding: str | None = None
+) -> None:
+    """`train --target eager-graph --parallel MODE [--table_sharding S]` (VARIED) for each mode in one
+    process group, each run checkpointing under out/MODE; losses and log lines go to out/modes-rank{rank}.json."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -44,6 +46,7 @@ def run_rank_modes(rank: int, world: int, port: int, out: str, modes: list[str])
             opts = TrainOptions(
                 target="eager-graph",
                 parallel=mode,
+                table_sharding=table_sharding,
                 checkpoint_dir=str(Path(out) / mode),
                 **VARIED,  # type: ignore[arg-type]
             )

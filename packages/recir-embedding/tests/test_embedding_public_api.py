@@ -14,7 +14,7 @@ def test_embedding_public_api_resolves():
 
 
 def test_imports_stay_within_declared_dependencies():
-    """recir.embedding imports recir.transforms, torch, torchrec and fbgemm only (JAX lazily)."""
+    """recir.embedding imports recir.transforms, torch, torchrec and fbgemm only (never JAX)."""
     import subprocess
     import sys
 
@@ -26,3 +26,24 @@ def test_imports_stay_within_declared_dependencies():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_embedding_never_imports_or_requires_jax():
+    """JAX belongs to recir-lower-tpu, which lowers the recir::ring_shift_* ops: no source file here
+    imports it and the package metadata (extras included) does not list it."""
+    import ast
+    import pathlib
+    import tomllib
+
+    pkg = pathlib.Path(importlib.import_module("recir.embedding").__file__).parent
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("jax", "jaxlib", "torchax")]
+    assert not found, found
+    meta = tomllib.loads((pkg.parents[2] / "pyproject.toml").read_text())["project"]
+    deps = [*meta["dependencies"], *(d for ds in meta.get("optional-dependencies", {}).values() for d in ds)]
+    assert not [d for d in deps if d.startswith(("jax", "torchax"))], deps

@@ -1,5 +1,6 @@
-"""``prepare_for_lowering(backend="ring_shift")``: lookups of row-sharded tables become forward-only
-``recir::ring_shift_*`` ops carrying their mesh axis (eagerly the plain lookup); gradients stay ATen.
+"""``prepare_for_lowering(backend="ring_shift")``: lookups of row-sharded tables, and the sparse row
+update's reads and writes of them, become ``recir::ring_shift_*`` ops carrying their mesh axis (eagerly
+the plain ATen maths); the gradients up to the row update stay ATen.
 """
 
 from __future__ import annotations
@@ -29,9 +30,24 @@ def test_ring_shift_marks_row_sharded_lookups(helpers):
         step, backend="ring_shift", target="tpu", row_sharded=dict.fromkeys(tables, "x")
     )
     ops = [n for n in ring.graph.nodes if n.op == "call_function" and "ring_shift" in str(n.target)]
-    kinds = sorted(str(n.target) for n in ops)
+    lookups = [n for n in ops if n.meta["recir.phase"] == "forward"]
+    kinds = sorted(str(n.target) for n in lookups)
     assert kinds == ["recir.ring_shift_embedding.default"] + ["recir.ring_shift_embedding_bag.default"] * 2
-    assert all(n.args[-1] == "x" and n.meta["recir.phase"] == "forward" for n in ops)
+    assert all(n.args[-1] == "x" for n in ops)
+    # the sparse row update reads the touched rows of each table through the ring and adds the deltas
+    # back into the owner shard (the tables only here: their Adagrad state is not in row_sharded)
+    slots = [s.name for s in ring.signature.state]
+    placeholders = [n for n in ring.graph.nodes if n.op == "placeholder"]
+    updates = sorted(
+        (str(n.target), slots[placeholders.index(n.args[0])])
+        for n in ops
+        if n.meta["recir.phase"] == "optimizer"
+    )
+    assert updates == sorted(
+        (f"recir.ring_shift_{op}.default", t) for t in tables for op in ("embedding", "index_add")
+    ), updates
+    assert ring.meta["recir.embedding"]["row_updates"] == 2 * len(tables)
+    assert not [n for n in ops if n.meta["recir.phase"] == "backward"]
     assert ring.meta["recir.embedding"]["backend"] == "ring_shift"
     assert len(ring.meta["recir.embedding"]["sparsify"]["sparsified"]) == 3  # gradients stay row updates
     ref = prepare_for_lowering(step, backend="in_graph", target="tpu")

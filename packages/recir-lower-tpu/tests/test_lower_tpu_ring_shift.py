@@ -80,6 +80,8 @@ def _check_parity(opt_name: str, axes: dict[str, int], steps: int) -> None:
     compiled = compile(step, plan, mesh=mesh, embedding_backend="ring_shift")
     ops = {str(n.target) for n in compiled.step.graph.nodes if n.op == "call_function"}
     assert "recir.ring_shift_embedding_bag.default" in ops and "recir.embedding_bag.default" not in ops
+    # the row update reads and writes the tables (and Adagrad's state) in their owner shards by the ring
+    assert "recir.ring_shift_index_add.default" in ops and "aten.index_put.default" not in ops
     state = compiled.init_state(model, opt)
     if devices > 1:  # param:a.weight lives row-sharded; ids and partial rows really travel the ring
         assert tuple(state[0].sharding.spec) == ("model" if "model" in axes else "data",)
@@ -157,6 +159,18 @@ def test_ring_shift_sequence_lowering_over_eight_shards() -> None:
             return ring_shift_embedding(t, i, "model")
 
     np.testing.assert_array_equal(np.asarray(jax.jit(lookup)(table, ids)), np.asarray(table)[np.asarray(ids)])
+    # the row update's ops, also on a 1-D slot (RowWiseAdagrad's one value per row)
+    from recir.lower_tpu._ring_shift import ring_shift_index_add
+
+    def update(t, i, u):
+        with ring_mesh(mesh):
+            return ring_shift_embedding(t, i, "model"), ring_shift_index_add(t, i, u, "model")
+
+    for t in (table, table[:, 0]):
+        upd = jnp.arange(ids.shape[0] * (t.size // 16), dtype=t.dtype).reshape(ids.shape[0], *t.shape[1:])
+        rows, added = jax.jit(update)(t, ids, upd)
+        np.testing.assert_array_equal(np.asarray(rows), np.asarray(t)[np.asarray(ids)])
+        np.testing.assert_array_equal(np.asarray(added), np.asarray(t.at[ids].add(upd)))  # 7 twice: summed
     with pytest.raises(ConfigError, match="has no mesh with that axis.*Fix: compile the step with its"):
         ring_shift_embedding(table, ids, "model")
     with ring_mesh(mesh), pytest.raises(ConfigError, match="15 rows does not split over the 8 devices"):

@@ -39,6 +39,8 @@ from ._plan import local_shape as local_shape
 from ._planner import annotate as annotate
 from ._planner import check_budget as check_budget
 from ._planner import plan as plan
+from ._traffic import TableTraffic as TableTraffic
+from ._traffic import table_traffic as table_traffic
 from ._transforms.allreduce_grads import AllReduceGradients as AllReduceGradients
 from ._transforms.fold_rng_rank import FoldRngRank as FoldRngRank
 from ._transforms.shard_params import ShardParameters as ShardParameters
@@ -64,6 +66,8 @@ __all__ = [
     "annotate",
     "check_budget",
     "local_shape",
+    "table_traffic",
+    "TableTraffic",
     # per-device programs and state
     "distribute",
     "distribute_pipeline",

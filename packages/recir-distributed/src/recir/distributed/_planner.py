@@ -31,6 +31,7 @@ from ._modes import (
     normalize_mode,
 )
 from ._plan import ShardingPlan, _fmt_bytes
+from ._traffic import format_traffic, table_traffic
 
 REPLICATE: dict[str, Any] = {"placement": "replicate"}
 
@@ -95,6 +96,11 @@ def plan(
             sh["grad"] = _grad_collective(sh)
 
     batch_plan = _plan_batch(step, mesh, batch)
+    if tables and nshards > 1:  # what each placement of each table would cost in traffic, the choice marked
+        chosen = {t: str(slots[t].get("scheme", "replicate")) for t in tables}
+        explanation.extend(
+            format_traffic(table_traffic(step, mesh, batch=batch, axis=table_axis), chosen).split("\n")
+        )
     if group_name is None:
         group_name = _default_group_name()
     result = ShardingPlan(

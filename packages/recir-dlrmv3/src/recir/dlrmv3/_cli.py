@@ -14,6 +14,7 @@ from ._config import (
     PARALLEL,
     PLANNED_EMBEDDING_BACKENDS,
     PRECISIONS,
+    TABLE_SHARDINGS,
     TARGETS,
 )
 
@@ -161,6 +162,22 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--mesh", default=None, help="TPU path device mesh, e.g. data=8 or data=2,model=2 (--target tpu)"
+    )
+    d.add_argument(
+        "--table_sharding",
+        choices=TABLE_SHARDINGS,
+        default=None,
+        help="how a distributed run (--target tpu --mesh, or --parallel under torchrun) places the embedding "
+        "tables: row-, table- or column-wise next to data-parallel dense state (FSDP with --parallel fsdp), "
+        "or auto: the planner's choice by --hbm_budget_gib; the planner logs each choice's communication "
+        "bytes per step (default: --parallel's own placement)",
+    )
+    d.add_argument(
+        "--hbm_budget_gib",
+        type=float,
+        default=None,
+        help="memory budget per device, GiB of state: --table_sharding auto (and --parallel auto) places "
+        "tables by it, and every plan must fit it (default: unlimited)",
     )
     d.add_argument(
         "--multihost",

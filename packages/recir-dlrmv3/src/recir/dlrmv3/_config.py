@@ -119,6 +119,8 @@ TARGETS = ("eager", "eager-graph", "gpu", "tpu")
 # fp32 everywhere, or bf16 matrix products with fp32 master weights and optimizer state
 PRECISIONS = ("fp32", "bf16")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
+# --table_sharding: row-, table-, column-wise, or the planner's choice by memory budget
+TABLE_SHARDINGS = ("row", "table", "column", "auto")
 EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
 # Accepted by the CLI and refused by TrainOptions.check() with the fix: tables on the host (TorchRec's CPU
 # kernels), the dense step on the device; the StepGraph split at the embedding boundary is not built.

@@ -58,6 +58,10 @@ class TrainOptions:
     host_memory: str = "retain"
     parallel: str = "none"
     mesh: str | None = None
+    # how a distributed run places embedding tables (row/table/column-wise or auto), and the memory
+    # budget per device (GiB of state) that auto places by and every plan is checked against
+    table_sharding: str | None = None
+    hbm_budget_gib: float | None = None
     # multi-process (multi-host) JAX on the TPU path: jax.distributed's coordinator, process count and id
     multihost: bool = False
     coordinator: str | None = None
@@ -132,6 +136,7 @@ class TrainOptions:
             )
         if self.parallel not in PARALLEL:
             raise config_error(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")
+        self._check_placement()
         if self.mesh is not None and self.target != "tpu":
             raise config_error(
                 f"--mesh is the TPU path's flag (got --target {self.target}). Fix: --target tpu --mesh "
@@ -155,6 +160,34 @@ class TrainOptions:
             raise config_error(
                 "--resume and --overwrite contradict each other: --overwrite starts a new run, deleting the "
                 f"checkpoints in {self.checkpoint_dir}; --resume continues one. Fix: pass one of them."
+            )
+
+    def _check_placement(self) -> None:
+        from ._config import TABLE_SHARDINGS
+
+        distributed = (self.target == "tpu" and self.mesh is not None) or (
+            self.target in ("gpu", "eager-graph") and self.parallel != "none"
+        )
+        if self.table_sharding is not None and self.table_sharding not in TABLE_SHARDINGS:
+            raise config_error(
+                f"unknown --table_sharding {self.table_sharding!r}; expected one of {', '.join(TABLE_SHARDINGS)}"
+            )
+        if self.hbm_budget_gib is not None and not (
+            self.hbm_budget_gib > 0 and math.isfinite(self.hbm_budget_gib)
+        ):
+            raise config_error(f"--hbm_budget_gib must be a finite number > 0, got {self.hbm_budget_gib}")
+        for flag in ("table_sharding", "hbm_budget_gib"):
+            if getattr(self, flag) is not None and not distributed:
+                raise config_error(
+                    f"--{flag} places the tables of a distributed run (got --target {self.target}, --mesh "
+                    f"{self.mesh}, --parallel {self.parallel}). Fix: --target tpu --mesh data=N, or on the GPU "
+                    "path --parallel hybrid under torchrun --nproc-per-node N."
+                )
+        if self.embedding_backend == "ring_shift" and self.table_sharding not in ("row", "auto"):
+            raise config_error(
+                "--embedding_backend ring_shift looks up row-wise sharded tables over a device mesh "
+                f"(got --table_sharding {self.table_sharding}). Fix: --target tpu --mesh data=N "
+                "--table_sharding row."
             )
 
 

@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from recir.transforms import ConfigError
@@ -22,8 +22,13 @@ from ._model import DLRMv3, loss_fn
 DEFAULT_MESH_AXIS = "data"
 
 
-def parallel_mode(name: str) -> Any:
-    """The recir.distributed mode of `--parallel NAME` (hybrid: data-parallel dense, table-wise tables)."""
+def parallel_mode(name: str, table_sharding: str | None = None) -> Any:
+    """The recir.distributed mode of `--parallel NAME [--table_sharding S]`.
+
+    Without `--table_sharding`, hybrid means data-parallel dense and table-wise tables. With it, `row`,
+    `table` or `column` shards the tables that way next to data-parallel dense state (FSDP under
+    `--parallel fsdp`), and `auto` is the planner's placement by memory budget (dense replicated).
+    """
     import recir.distributed as rd
 
     modes = {
@@ -34,7 +39,47 @@ def parallel_mode(name: str) -> Any:
     }
     if name not in modes:
         raise ConfigError(f"unknown --parallel {name!r}; expected one of none, {', '.join(modes)}")
-    return modes[name]
+    if table_sharding is None:
+        return modes[name]
+    from ._config import TABLE_SHARDINGS
+
+    if table_sharding not in TABLE_SHARDINGS:
+        raise ConfigError(
+            f"unknown --table_sharding {table_sharding!r}; expected one of {', '.join(TABLE_SHARDINGS)}"
+        )
+    if table_sharding == "auto" or name == "auto":
+        if name not in ("dp", "hybrid", "auto") or table_sharding not in ("auto", None):
+            raise ConfigError(
+                f"--parallel {name} --table_sharding {table_sharding}: the automatic placement keeps dense "
+                "state replicated and chooses each table's placement itself. Fix: --table_sharding auto "
+                "(with --parallel dp, hybrid or auto), or a fixed --table_sharding row|table|column."
+            )
+        return "auto"
+    tables = {"row": rd.row_wise, "table": rd.table_wise, "column": rd.column_wise}[table_sharding]()
+    dense = rd.FullyShardedDataParallel() if name == "fsdp" else rd.DataParallel()
+    return rd.HybridParallel(tables=tables, dense=dense)
+
+
+def plan_step(
+    graph: Any,
+    mesh: Any,
+    parallel: str,
+    table_sharding: str | None,
+    hbm_budget_gib: float | None,
+    batch: Literal["local", "global"],
+) -> Any:
+    """The recir.distributed plan of a captured step for these flags (`--hbm_budget_gib`: per device)."""
+    import recir.distributed as rd
+
+    budget = None if hbm_budget_gib is None else int(hbm_budget_gib * 2**30)
+    return rd.plan(graph, parallel_mode(parallel, table_sharding), mesh, memory_budget=budget, batch=batch)
+
+
+def describe_plan(plan: Any) -> list[str]:
+    """Log lines: the tables' placements and the planner's reasons (traffic of each choice included)."""
+    placed = ", ".join(f"{t} {plan.slots[t].get('scheme', 'replicated')}" for t in plan.tables)
+    lines = [f"plan {plan.mode}: tables {placed or 'none'}"]
+    return lines + [f"plan: {e}" for e in plan.explanation]
 
 
 def parse_mesh(text: str) -> Any:
@@ -124,6 +169,8 @@ class DistributedTrainer:
         embedding_backend: str | None,
         mode: str,
         precision: str = "fp32",
+        table_sharding: str | None = None,
+        hbm_budget_gib: float | None = None,
     ) -> None:
         import recir.distributed as rd
         from recir.capture import capture_train_step
@@ -139,7 +186,9 @@ class DistributedTrainer:
         graph = precision_pipeline(precision).run(
             capture_train_step(model, opt, loss_fn, example, overrides=overrides())
         )
-        self.plan = rd.plan(graph, parallel_mode(mode), rd.Mesh(axes={DEFAULT_MESH_AXIS: self.world}))
+        mesh = rd.Mesh(axes={DEFAULT_MESH_AXIS: self.world})
+        self.plan = plan_step(graph, mesh, mode, table_sharding, hbm_budget_gib, batch="local")
+        self.plan_lines = describe_plan(self.plan)
         self.checkpoint_plan = self.plan
         self.dstep = rd.distribute(graph, self.plan, self.rank)
         self.capture_seconds = time.perf_counter() - started

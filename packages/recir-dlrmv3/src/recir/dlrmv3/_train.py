@@ -176,7 +176,11 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         mesh=mesh,
         precision=opts.precision,
         compile_options=gpu_options(opts),
+        table_sharding=opts.table_sharding,
+        hbm_budget_gib=opts.hbm_budget_gib,
     )
+    for line in getattr(trainer, "plan_lines", []):  # placements and each choice's traffic per step
+        log(line)
     if resumed:
         # the checkpoint may come from another plan, world size or path: read this trainer's shards
         restore(trainer, resumed[0], opts)

@@ -145,6 +145,8 @@ class CompiledTrainer:
         parallel: str = "dp",
         precision: str = "fp32",
         compile_options: Any = None,
+        table_sharding: str | None = None,
+        hbm_budget_gib: float | None = None,
     ) -> None:
         lowering = engine("gpu" if target == "eager-graph" else target)
         from recir.capture import capture_train_step
@@ -166,15 +168,15 @@ class CompiledTrainer:
         )
         self.capture_seconds = time.perf_counter() - started
         self.checkpoint_plan = None  # state_dict() holds global tensors on every target here
+        self.plan_lines: list[str] = []
         if target == "eager-graph":
             self.compiled: Any = _Interpreted(self.graph)
             self.description = "the captured StepGraph's reference interpreter (no compile)"
         elif mesh is not None:  # the TPU path: a global-batch plan, GSPMD partitions the step over the mesh
-            import recir.distributed as rd
+            from ._parallel import describe_plan, plan_step
 
-            from ._parallel import parallel_mode
-
-            plan = rd.plan(self.graph, parallel_mode(parallel), mesh, batch="global")
+            plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="global")
+            self.plan_lines = describe_plan(plan)
             self.compiled = lowering.compile(self.graph, plan, mesh=mesh, embedding_backend=embedding_backend)
             import jax
 
@@ -270,23 +272,44 @@ def make_trainer(
     precision: str = "fp32",
     device: torch.device | str = "cpu",
     compile_options: Any = None,
+    table_sharding: str | None = None,
+    hbm_budget_gib: float | None = None,
 ) -> Trainer:
     """`eager`, or the captured step on `target`; `parallel` other than `none` on the GPU path (`gpu`,
     `eager-graph`) trains this rank's recir.distributed program (`example` is then this rank's batch).
     `device` places the eager trainer only; the GPU path picks CUDA itself when present.
-    `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the single-device lowering's compile()."""
+    `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the single-device lowering's compile().
+    `table_sharding` (row | table | column | auto) and `hbm_budget_gib` (per device) shape the plan of a
+    distributed run (`--mesh` on tpu, `parallel` under torchrun)."""
     check_parallel(target, parallel, mesh is not None)
     if target == "eager":
         return EagerTrainer(model, optimizers, precision, device)
     if target == "tpu" and mesh is not None:
         return CompiledTrainer(
-            model, optimizers, example, target, embedding_backend, mesh, parallel, precision
+            model,
+            optimizers,
+            example,
+            target,
+            embedding_backend,
+            mesh,
+            parallel,
+            precision,
+            table_sharding=table_sharding,
+            hbm_budget_gib=hbm_budget_gib,
         )
     if parallel != "none":
         from ._parallel import DistributedTrainer
 
         return DistributedTrainer(  # type: ignore[return-value]
-            model, optimizers, example, target, embedding_backend, parallel, precision
+            model,
+            optimizers,
+            example,
+            target,
+            embedding_backend,
+            parallel,
+            precision,
+            table_sharding=table_sharding,
+            hbm_budget_gib=hbm_budget_gib,
         )
     return CompiledTrainer(
         model,

@@ -24,7 +24,6 @@ from ._overrides import EmbeddingBagCollectionStandIn as EmbeddingBagCollectionS
 from ._overrides import EmbeddingCollectionOverride as EmbeddingCollectionOverride
 from ._overrides import EmbeddingCollectionStandIn as EmbeddingCollectionStandIn
 from ._overrides import overrides as overrides
-from ._ring_shift import ring_shift_lookup as ring_shift_lookup
 from ._rowwise import dedupe as dedupe
 from ._rowwise import sparse_update as sparse_update
 from ._table import EmbeddingTable as EmbeddingTable
@@ -62,7 +61,6 @@ __all__ = [
     "prepare_for_lowering",
     "default_backend",
     "BACKENDS",
-    "ring_shift_lookup",
     # sparse row-wise updates
     "SparsifyUpdate",
     "dedupe",

@@ -6,6 +6,7 @@ kernels; ``in_graph`` inlines the pure-ATen reference (traceable: Inductor and t
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -93,7 +94,7 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
                 "embedding backend 'ring_shift' is the TPU path (JAX/Pallas over row-sharded tables); "
                 f"target is {target!r}. Fix: use 'fbgemm', 'torchrec' or 'in_graph' on GPU."
             )
-        _ring_shift._jax()  # a clear ImportError when JAX is missing
+        _require_lower_tpu()
         if not row_sharded:
             raise ConfigError(
                 "embedding backend 'ring_shift' needs row-wise sharded tables on a mesh, and none were given "
@@ -101,6 +102,16 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
                 "row-wise, e.g. recir.lower_tpu.compile(step, rd.plan(step, rd.row_wise(), mesh, "
                 "batch='global'), mesh=..., embedding_backend='ring_shift'), or use backend='in_graph'."
             )
+
+
+def _require_lower_tpu() -> None:
+    """The ring_shift ops are lowered by recir.lower_tpu (JAX); found without importing either."""
+    missing = [m for m in ("jax", "recir.lower_tpu") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"the 'ring_shift' embedding backend needs JAX and recir-lower-tpu, which lowers its ops "
+            f"(missing: {', '.join(missing)}). Fix: install recir-lower-tpu (it brings jax and torchax)."
+        )
 
 
 def _inline(step: StepGraph, node: fx.Node, fn: Callable[..., Any], args: list[fx.Node]) -> None:
@@ -187,7 +198,44 @@ def _apply_backend(
                     node.args = (*node.args, _ring_axis(step, node, row_sharded or {}))
                 node.target = getattr(torch.ops.recir, f"{backend}_embedding").default
                 node.meta[OVERRIDE_KEY] = f"recir-embedding-{backend}"
+    if backend == "ring_shift":
+        counts["row_updates"] = _ring_row_updates(step, row_sharded or {})
     return counts
+
+
+_INDEX_SELECT = torch.ops.aten.index_select.default
+_INDEX_PUT = torch.ops.aten.index_put.default
+
+
+def _ring_row_updates(step: StepGraph, row_sharded: Mapping[str, str]) -> int:
+    """The sparse row update's reads and writes of row-sharded slots (tables and their row-wise optimizer
+    state) become ring ops: ``index_select(slot, 0, rows)`` -> ``recir::ring_shift_embedding``, and
+    ``index_put(slot, [rows], delta, accumulate=True)`` -> ``recir::ring_shift_index_add``, so the rows
+    are read from and added into their owner shards."""
+    changed = 0
+    for node in list(step.graph.nodes):
+        if node.op != "call_function" or node.target not in (_INDEX_SELECT, _INDEX_PUT):
+            continue
+        slot = _table_slot(step, node.args[0])
+        if slot is None or slot not in row_sharded:
+            continue
+        axis = row_sharded[slot]
+        if node.target == _INDEX_SELECT and node.args[1] == 0:
+            node.target = torch.ops.recir.ring_shift_embedding.default
+            node.args = (node.args[0], node.args[2], axis)
+        elif (
+            node.target == _INDEX_PUT
+            and len(node.args) == 4
+            and node.args[3] is True
+            and len(node.args[1]) == 1
+        ):
+            node.target = torch.ops.recir.ring_shift_index_add.default
+            node.args = (node.args[0], node.args[1][0], node.args[2], axis)
+        else:
+            continue
+        node.meta[OVERRIDE_KEY] = "recir-embedding-ring_shift"
+        changed += 1
+    return changed
 
 
 def _warn_dense_tables(stats: Mapping[str, Any]) -> None:

@@ -13,6 +13,10 @@ from ._multihost import sync_processes as sync_processes
 from ._profile import node_seconds as node_seconds
 from ._registry import register_jax_lowering as register_jax_lowering
 from ._registry import registered_jax_lowerings as registered_jax_lowerings
+from ._ring_kernel import local_gather as local_gather
+from ._ring_kernel import local_scatter_add as local_scatter_add
+from ._ring_kernel import ring_shift_lookup as ring_shift_lookup
+from ._ring_kernel import ring_shift_scatter_add as ring_shift_scatter_add
 
 __version__ = "0.1.0"
 
@@ -26,6 +30,11 @@ __all__ = [
     "sync_processes",
     # profiles: seconds per StepGraph node from a jax.profiler trace
     "node_seconds",
+    # the ring shift (row-sharded lookups) and its Pallas TPU kernels
+    "ring_shift_lookup",
+    "ring_shift_scatter_add",
+    "local_gather",
+    "local_scatter_add",
     # lowerings of ops
     "register_jax_lowering",
     "registered_jax_lowerings",

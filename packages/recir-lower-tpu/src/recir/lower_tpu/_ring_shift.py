@@ -1,7 +1,9 @@
-"""The ``ring_shift`` embedding backend on the TPU path: lowerings of ``recir::ring_shift_*`` lookups.
+"""The ``ring_shift`` embedding backend on the TPU path: lowerings of recir-embedding's
+``recir::ring_shift_*`` lookups and row updates to ``ring_shift_lookup`` / ``ring_shift_scatter_add``
+(``_ring_kernel.py``).
 
 Row-sharded tables come from the plan; the mesh reaches the lowerings through a context that
-``TPUCompiledStep`` sets while JAX traces the step (ids travel a device ring, ``ring_shift_lookup``).
+``TPUCompiledStep`` sets while JAX traces the step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from recir.transforms import ConfigError
 
 from ._lowerings import pool_bags
 from ._registry import register_jax_lowering
+from ._ring_kernel import ring_shift_lookup, ring_shift_scatter_add
 
 _MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("recir_lower_tpu_ring_mesh", default=None)
 
@@ -51,9 +54,8 @@ def with_ring_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
     return traced
 
 
-def _lookup(weight: Any, ids: Any, axis: str) -> Any:
-    from recir.embedding import ring_shift_lookup
-
+def _ring(weight: Any, axis: str) -> Any:
+    """The mesh the step's ring runs over, checked against ``weight``'s rows."""
     mesh = _MESH.get()
     if mesh is None or axis not in mesh.shape:
         raise ConfigError(
@@ -67,11 +69,35 @@ def _lookup(weight: Any, ids: Any, axis: str) -> Any:
             f"recir::ring_shift: a table of {weight.shape[0]} rows does not split over the {n} devices of "
             f"mesh axis {axis!r}. Fix: pad the table to a multiple of {n} rows."
         )
-    count = ids.shape[0]
-    pad = (-count) % n
-    if pad:  # id -1 belongs to no shard: a zero row, dropped below
+    return mesh
+
+
+def _padded(ids: Any, n: int, rows: Any = None) -> tuple[Any, Any]:
+    """``ids`` (and their ``rows``) padded to a multiple of ``n``: id -1 belongs to no shard."""
+    pad = (-ids.shape[0]) % n
+    if pad:
         ids = jnp.concatenate([ids, jnp.full((pad,), -1, dtype=ids.dtype)])
-    return ring_shift_lookup(weight, ids, mesh, axis)[:count]
+        if rows is not None:
+            rows = jnp.concatenate([rows, jnp.zeros((pad, *rows.shape[1:]), rows.dtype)])
+    return ids, rows
+
+
+def _lookup(weight: Any, ids: Any, axis: str) -> Any:
+    """``weight[ids]`` by the ring; a 1-D weight (row-wise optimizer state) as one column."""
+    mesh = _ring(weight, axis)
+    padded, _ = _padded(ids, mesh.shape[axis])
+    rows = ring_shift_lookup(weight.reshape(weight.shape[0], -1), padded, mesh, axis)[: ids.shape[0]]
+    return rows.reshape(ids.shape[0], *weight.shape[1:])
+
+
+@register_jax_lowering("recir::ring_shift_index_add")
+def ring_shift_index_add(weight, ids, updates, axis: str):
+    """``updates`` added into rows ``ids`` of their owner shards (the sparse row update's write)."""
+    mesh = _ring(weight, axis)
+    flat = updates.reshape(updates.shape[0], -1).astype(weight.dtype)
+    padded, flat = _padded(ids, mesh.shape[axis], flat)
+    out = ring_shift_scatter_add(weight.reshape(weight.shape[0], -1), padded, flat, mesh, axis)
+    return out.reshape(weight.shape)
 
 
 @register_jax_lowering("recir::ring_shift_embedding_bag")
