@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--hash_size", type=int, default=100_000, help="rows per table (the peers cap at 100K)")
     p.add_argument(
         "--host_memory",
-        choices=("retain", "release", "heap"),
+        choices=("retain", "release"),
         default="retain",
         help="every row, eager included: keep freed host memory between steps (recir-dlrmv3's default) or "
         "return it to the OS (the C library's default, what the reference loop's figures ran with)",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-# A step-like allocation pattern: eight 4 MiB buffers touched, then all freed, three times. With glibc's
+# A step-like allocation pattern: eight 4 MiB (or 48 MiB: XLA's sizes) buffers touched, then all freed, three times. With glibc's
 # defaults the memory goes back to the OS after each round (unmapped, then the heap's top trimmed), so
 # rounds 2 and 3 fault their 32 MiB in again; kept, round 2 faults once more at most and round 3 not.
 _SCRIPT = """
@@ -17,28 +17,31 @@ import torch
 if sys.argv[1] == "retain":
     from recir.lower_gpu import retain_host_memory
     assert retain_host_memory()
+numel = int(sys.argv[2])
 faults = []
 for _ in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    bufs = [torch.empty(1 << 20).fill_(1.0) for _ in range(8)]
+    bufs = [torch.empty(numel).fill_(1.0) for _ in range(8)]
     del bufs
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(faults[1] + faults[2])
 """
 
 
-def _later_rounds_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, mode], capture_output=True, text=True, check=True)
+def _later_rounds_faults(mode: str, mib: int) -> int:
+    args = [sys.executable, "-c", _SCRIPT, mode, str(mib << 18)]  # float32: 2**18 elements per MiB
+    out = subprocess.run(args, capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
 
 
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only"
 )
-def test_retained_memory_is_reused_without_page_faults():
-    pages = 8 * (4 << 20) // 4096  # 8192 pages per round
-    assert _later_rounds_faults("system") > pages  # glibc's default returns the memory every round
-    assert _later_rounds_faults("retain") < pages // 4  # kept: the rounds reuse the same pages
+@pytest.mark.parametrize("mib", [4, 48])  # below and above glibc's largest mmap threshold (32 MiB)
+def test_retained_memory_is_reused_without_page_faults(mib):
+    pages = 8 * (mib << 20) // 4096  # per round
+    assert _later_rounds_faults("system", mib) > pages  # glibc's default returns the memory every round
+    assert _later_rounds_faults("retain", mib) < pages // 4  # kept: the rounds reuse the same pages
 
 
 def test_retain_host_memory_rejects_bad_sizes():

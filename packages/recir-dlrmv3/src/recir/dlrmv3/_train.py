@@ -54,7 +54,7 @@ def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]
     if opts.host_memory != "release":
         from recir.lower_gpu import retain_host_memory
 
-        retain_host_memory(heap_only=opts.host_memory == "heap")
+        retain_host_memory()
     config = opts.model_config()
     data = make_data(opts.dataset, config, batch_size=opts.batch_size, seed=opts.seed, data_dir=opts.data_dir)
     torch.manual_seed(opts.seed)
