@@ -91,3 +91,20 @@ def test_cache_keys_by_graph_and_a_new_process_reuses_it(tmp_path):
     # The new process loads the artifacts instead of compiling (the hit counters say so; how long that
     # takes is benchmarks/step.py's business: no test measures time).
     assert child["fx_hit"] == 1 and child["fx_miss"] == 0 and child["aot_hit"] == 1, child
+
+
+def test_cpu_thread_count_is_part_of_the_cache_key(tmp_path):
+    """Inductor's C++ kernels bake in the OpenMP thread count (1: no parallel loops), so a step compiled
+    with 1 thread must not be reused by a process with 2 (it would run serial)."""
+    threads = torch.get_num_threads()
+    options = lg.GPUOptions(cache_dir=str(tmp_path))
+    misses = []
+    try:
+        for n in (1, 2, 2):
+            torch.set_num_threads(n)
+            before = _cache_counts()
+            lg.compile(_step(0.1)[1], device="cpu", options=options)
+            misses.append(_diff(_cache_counts(), before)["fx_miss"])
+    finally:
+        torch.set_num_threads(threads)
+    assert misses == [1, 1, 0]  # 2 threads compile afresh, then hit their own entry
