@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-# A step-like allocation pattern: eight 4 MiB (or 48 MiB: XLA's sizes) buffers touched, then all freed, three times. With glibc's
-# defaults the memory goes back to the OS after each round (unmapped, then the heap's top trimmed), so
-# rounds 2 and 3 fault their 32 MiB in again; kept, round 2 faults once more at most and round 3 not.
+# A step-like allocation pattern: eight 4 MiB (or 48 MiB: XLA's sizes) buffers touched, then all freed,
+# twice. With glibc's defaults the memory goes back to the OS after the first round (unmapped), so the
+# second faults all its pages in again (measured: 8160 of 8192); kept, the second round reuses the
+# first's pages (measured: 1024-2048 faults at 4 MiB, an eighth at 48 MiB).
 _SCRIPT = """
 import resource, sys
 import torch
@@ -19,16 +20,16 @@ if sys.argv[1] == "retain":
     assert retain_host_memory()
 numel = int(sys.argv[2])
 faults = []
-for _ in range(3):
+for _ in range(2):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     bufs = [torch.empty(numel).fill_(1.0) for _ in range(8)]
     del bufs
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(faults[1] + faults[2])
+print(faults[1])
 """
 
 
-def _later_rounds_faults(mode: str, mib: int) -> int:
+def _second_round_faults(mode: str, mib: int) -> int:
     args = [sys.executable, "-c", _SCRIPT, mode, str(mib << 18)]  # float32: 2**18 elements per MiB
     out = subprocess.run(args, capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
@@ -40,8 +41,8 @@ def _later_rounds_faults(mode: str, mib: int) -> int:
 @pytest.mark.parametrize("mib", [4, 48])  # below and above glibc's largest mmap threshold (32 MiB)
 def test_retained_memory_is_reused_without_page_faults(mib):
     pages = 8 * (mib << 20) // 4096  # per round
-    assert _later_rounds_faults("system", mib) > pages  # glibc's default returns the memory every round
-    assert _later_rounds_faults("retain", mib) < pages // 4  # kept: the rounds reuse the same pages
+    assert _second_round_faults("system", mib) > pages * 3 // 4  # glibc's default returned the memory
+    assert _second_round_faults("retain", mib) < pages // 2  # kept: the second round reuses the pages
 
 
 def test_retain_host_memory_rejects_bad_sizes():
