@@ -25,6 +25,7 @@ from ._embedding import apply_embedding_backend
 from ._isa import memoized_cpu_isa_probe
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
+from ._private_apis import check_private_apis
 from ._step import GPUCompiledStep
 from ._store import register_inductor_lowering, store_rng_masks
 
@@ -118,6 +119,7 @@ def compile(
             "recir.lower_gpu: dynamic StepGraphs are not lowered yet (the GPU path compiles static "
             "shapes). Fix: capture with mode='static' and pad or bucket batches to fixed shapes."
         )
+    check_private_apis()
     if verify_level() >= 1:
         verify(step)
     dev = resolve_device(device)

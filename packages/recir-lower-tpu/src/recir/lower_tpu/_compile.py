@@ -27,6 +27,7 @@ from ._convert import jax_dtype, to_jax, to_torch
 from ._host_checks import HostCheck, host_checks_of
 from ._multihost import gather_to_every_process
 from ._placement import Placement
+from ._private_apis import check_private_apis
 from ._sharding import placement_for
 from ._trace import check_lowerings, jax_step_fn, recir_env
 
@@ -295,6 +296,7 @@ def compile(
     table row-wise: ids travel a device ring and each device gathers its own rows with a Pallas kernel;
     see ``recir.embedding.prepare_for_lowering``). Compiles at the first call.
     """
+    check_private_apis()
     if verify_level() >= 1:
         verify(step, transform="recir.lower_tpu.compile")
     # recir-embedding's preparation (a copy; `step` is never mutated): sparse row-wise updates for

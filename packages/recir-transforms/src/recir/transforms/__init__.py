@@ -62,6 +62,8 @@ from ._pipeline import TransformRecord as TransformRecord
 from ._pipeline_text import format_transform as format_transform
 from ._pipeline_text import parse_pipeline as parse_pipeline
 from ._pipeline_text import parse_transform as parse_transform
+from ._private_apis import missing_private_apis as missing_private_apis
+from ._private_apis import require_private_apis as require_private_apis
 from ._profile import RegionTime as RegionTime
 from ._profile import format_region_table as format_region_table
 from ._profile import region_times as region_times
@@ -227,6 +229,9 @@ __all__ = [
     "bag_segment_ids",
     # lowering protocol
     "CompiledStep",
+    # private APIs of dependencies, checked before the first compile
+    "require_private_apis",
+    "missing_private_apis",
     # errors
     "RecIRError",
     "VerificationError",

@@ -1,0 +1,38 @@
+"""Every private torch API recir.lower_gpu uses, and the torch versions it was checked against.
+
+`compile` and `export` check the list once per process (recir.transforms.require_private_apis): a torch
+without one of them gets one LoweringError naming it, not an AttributeError from inside Inductor.
+A test keeps the list complete (every `torch._*` module the package imports is listed).
+"""
+
+from __future__ import annotations
+
+from recir.transforms import require_private_apis
+
+CHECKED = {"torch": ("2.9.1", "2.11.0")}
+
+PRIVATE_APIS = (
+    "torch._inductor.compile_fx:compile_fx",  # compile a StepGraph's GraphModule without Dynamo
+    "torch._inductor.config",  # per-compile patches, cpp.threads
+    "torch._inductor.codecache:FxGraphCachePickler",  # stable cache keys across processes
+    "torch._inductor.codecache:_ident",
+    "torch._inductor.cpu_vec_isa:VecISA.check_build",  # the SIMD probe's on-disk memo
+    "torch._inductor.lowering:register_lowering",  # recir::store realizes its input
+    "torch._inductor.lowering:lowerings",
+    "torch._inductor.decomposition:select_decomp_table",
+    "torch._inductor:aoti_compile_and_package",  # export
+    "torch._inductor:aoti_load_package",
+    "torch._functorch.config",
+    "torch._decomp:core_aten_decompositions",
+    "torch._subclasses.fake_tensor:FakeTensorMode",
+    "torch._guards:TracingContext",
+    "torch._guards:tracing",
+    "torch._library.custom_ops:OPDEFS",
+    "torch._ops:OpOverload",
+    "torch._ops:OpOverloadPacket",
+)
+
+
+def check_private_apis() -> None:
+    """LoweringError if this torch lacks one of PRIVATE_APIS (checked once per process)."""
+    require_private_apis("recir.lower_gpu", PRIVATE_APIS, CHECKED)
