@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import recir.distributed as rd
 import torch
@@ -24,7 +26,10 @@ def test_allreduce_grads_snapshot():
         "  -> %mul_30 = aten.mul.Tensor(%mul_29, %wait_tensor_default_4)  # optimizer",
     ]
     # the loss is averaged too, so every rank reports the global loss
-    assert lines[-3].startswith("%all_reduce_default_5 = _c10d_functional.all_reduce(%detach_25, 'avg', '0')")
+    # (the loss reaches it through make_fx's detach nodes, whose number varies with the torch release)
+    assert re.match(
+        r"%all_reduce_default_5 = _c10d_functional\.all_reduce\(%detach(_\d+)?, 'avg', '0'\)", lines[-3]
+    )
     wait = next(n for n in result.step.graph.nodes if n.name == "wait_tensor_default_4")
     assert wait.meta["recir.sharding"]["role"] == "gradient" and wait.meta["val"].shape == (1, 4)
     # the input step is left untouched

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _transforms_stepgraphs import mark_phase, mlp_sgd_step, trace_step
 from recir.transforms import PHASE_KEY, ConfigError, phase_split, verify
+
+
+def _without_detach(text: str) -> str:
+    """The graph text with make_fx's detach nodes bypassed (their number varies with the torch release)."""
+    alias: dict[str, str] = {}
+    lines = []
+    for line in text.splitlines():
+        m = re.match(r"(%\w+) = aten\.detach\((%\w+)\)", line)
+        if m:
+            alias[m[1]] = alias.get(m[2], m[2])
+        else:
+            lines.append(re.sub(r"%\w+", lambda v: alias.get(v[0], v[0]), line))
+    return "\n".join(lines)
 
 
 def test_phase_split_forward_snapshot():
@@ -23,17 +38,13 @@ def test_phase_split_forward_snapshot():
     step, s, b = trace_step(fn, state, {"x": ("dense", torch.randn(3, 4))}, ["loss"])
     fwd = phase_split(step, "forward")
     assert (
-        fwd.format_graph()
+        _without_detach(fwd.format_graph())
         == """\
 %param_w = input
 %x = input
-%detach = aten.detach(%param_w)  # forward
-%detach_1 = aten.detach(%detach)  # forward
-%mm = aten.mm(%x, %detach_1)  # forward
+%mm = aten.mm(%x, %param_w)  # forward
 %sum_1 = aten.sum(%mm)  # forward
-%detach_2 = aten.detach(%sum_1)  # forward
-%detach_3 = aten.detach(%detach_2)  # forward
-return [%param_w, %detach_3]"""
+return [%param_w, %sum_1]"""
     )
     assert [s.name for s in fwd.signature.state] == ["param:w"]  # optim:step is not read by forward
     assert fwd.meta["recir.phase_split"] == "forward"

@@ -66,14 +66,18 @@ def test_pipeline_runs_in_order_and_stamps_provenance():
     ref_state, ref_out = run_steps(step, state, batch)
     pipe = Pipeline([ReluToClamp()])
     out = pipe.run(step)
-    # the new node is created; its users (detach_6, mm_1, t) changed their arguments: all are stamped
+    # the new node is created; its users (a detach, mm_1, t) changed their arguments: all are stamped
     stamped = {n.name: n.meta[PROVENANCE_KEY] for n in out.graph.nodes if n.meta.get(PROVENANCE_KEY)}
+    (detach,) = (
+        n for n in out.graph.nodes if n.name == "clamp_min_default" for n in n.users if "detach" in n.name
+    )
     assert stamped == dict.fromkeys(
-        ["clamp_min_default", "detach_6", "mm_1", "t"], ["recir-test-relu-to-clamp"]
+        ["clamp_min_default", detach.name, "mm_1", "t"], ["recir-test-relu-to-clamp"]
     )
     rec = pipe.records[0]
     assert (rec.status, rec.added, rec.removed, rec.modified) == ("changed", 1, 1, 3)
-    assert rec.stats == {"replaced": 1} and (rec.nodes_before, rec.nodes_after) == (71, 71)
+    # (the node count depends on how many detach nodes make_fx emits: fewer on newer torch releases)
+    assert rec.stats == {"replaced": 1} and rec.nodes_before == rec.nodes_after == len(step.graph.nodes)
     new_state, new_out = run_steps(out, state, batch)
     for a, b in zip(new_state, ref_state):
         torch.testing.assert_close(a, b)
