@@ -96,3 +96,20 @@ def test_split_host_refuses_what_it_cannot_split() -> None:
         split_host(prepare_for_lowering(step, backend="cpu", target="tpu", sparse_updates=False))
     with pytest.raises(ConfigError, match="'cpu'.*TPU path; target is 'gpu'"):
         prepare_for_lowering(step, backend="cpu", target="gpu")
+
+
+def test_host_runner_puts_torch_threads_back() -> None:
+    case, model, optimizer, step = _captured()
+    split = split_host(prepare_for_lowering(step, backend="cpu", target="tpu"))
+    runner = HostEmbeddings(split, kernels="torchrec")  # threads=1 while the host parts run
+    state = step.init_state(model, optimizer)
+    host = [state[j] for j in split.host_slots]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        runner._lookup = lambda *xs: seen.append(torch.get_num_threads()) or tuple(xs)  # type: ignore[method-assign]
+        runner.lookup(host, step.signature.flatten_batch(case.make_batch(0)))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
