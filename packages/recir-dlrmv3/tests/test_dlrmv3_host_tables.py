@@ -20,12 +20,24 @@ def _one_thread():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.tpu
-def test_dlrmv3_host_tables_train_like_in_graph():
+@pytest.mark.parametrize("mesh", [None, "data=8"])
+def test_dlrmv3_host_tables_train_like_in_graph(mesh):
+    if mesh is not None:
+        import jax
+
+        if len(jax.devices()) < 8:
+            pytest.skip("needs 8 JAX devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    from recir.dlrmv3._parallel import parse_mesh
+
     runs = {}
     for backend in ("cpu", "in_graph"):
-        opts = TrainOptions(**TINY, target="tpu", embedding_backend=backend)  # type: ignore[arg-type]
+        tiny = {**TINY, "batch_size": 8} if mesh else TINY
+        opts = TrainOptions(**tiny, target="tpu", embedding_backend=backend, mesh=mesh)  # type: ignore[arg-type]
         model, data, optimizers = build(opts)
-        trainer = make_trainer("tpu", model, optimizers, data.train_batch(0), backend)
+        parallel = "dp" if mesh else "none"
+        trainer = make_trainer(
+            "tpu", model, optimizers, data.train_batch(0), backend, parallel, mesh and parse_mesh(mesh)
+        )
         losses = [float(trainer.step(data.train_batch(i))[0]) for i in range(STEPS)]
         runs[backend] = (trainer, losses, trainer.state_dict())
     host, losses, got = runs["cpu"]
