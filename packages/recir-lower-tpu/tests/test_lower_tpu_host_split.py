@@ -78,3 +78,16 @@ def test_host_state_round_trips_through_state_dict() -> None:
     with pytest.raises(ConfigError, match="lives on the host"):
         host([jax.numpy.zeros(()) if i in host.split.host_slots else x for i, x in enumerate(again)],
              case.make_batch(1))  # fmt: skip
+
+
+def test_node_seconds_reads_the_device_part(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from recir.lower_tpu import node_seconds
+
+    case, model, optimizer, step = _captured("rowwise_adagrad")
+    host = compile(step, embedding_backend="cpu")
+    state, _ = host(host.init_state(model, optimizer), case.make_batch(0))
+    with jax.profiler.trace(str(tmp_path)):
+        state, outputs = host(state, case.make_batch(1))
+        float(outputs[0])
+    seconds = node_seconds(host, tmp_path)
+    assert set(seconds) & {n.name for n in host.device.step.graph.nodes}, sorted(seconds)[:10]
