@@ -12,7 +12,6 @@ from ._config import (
     EMBEDDING_BACKENDS,
     OPTIMIZERS,
     PARALLEL,
-    PLANNED_EMBEDDING_BACKENDS,
     PRECISIONS,
     TABLE_SHARDINGS,
     TARGETS,
@@ -76,10 +75,11 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     )
     c.add_argument(
         "--embedding_backend",
-        choices=EMBEDDING_BACKENDS + PLANNED_EMBEDDING_BACKENDS,
+        choices=EMBEDDING_BACKENDS,
         default=None,
         help="embedding kernels of a compiled target (default: fbgemm on CUDA, in_graph elsewhere; cpu, "
-        "tables on the host, is not available yet)",
+        "--target tpu only: tables and their optimizer state on the host, the rest of the step on the "
+        "device, for tables larger than device memory)",
     )
     c.add_argument(
         "--cuda_graphs",

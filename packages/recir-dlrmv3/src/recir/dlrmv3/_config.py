@@ -121,10 +121,8 @@ PRECISIONS = ("fp32", "bf16")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
 # --table_sharding: row-, table-, column-wise, or the planner's choice by memory budget
 TABLE_SHARDINGS = ("row", "table", "column", "auto")
-EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift")
-# Accepted by the CLI and refused by TrainOptions.check() with the fix: tables on the host (TorchRec's CPU
-# kernels), the dense step on the device; the StepGraph split at the embedding boundary is not built.
-PLANNED_EMBEDDING_BACKENDS = ("cpu",)
+# cpu: tables on the host (PyTorch's CPU kernels), the rest of the step on the device (--target tpu)
+EMBEDDING_BACKENDS = ("fbgemm", "torchrec", "in_graph", "ring_shift", "cpu")
 OPTIMIZERS = ("reference", "adam", "adagrad")
 DATASETS: tuple[str, ...] = ("debug", "debug-random", "movielens-1m", "movielens-20m", "kuairand-1k")
 KUAIRAND_RANGE_FEATURES = _KUAI_RANGES

@@ -114,15 +114,20 @@ class TrainOptions:
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
             raise config_error("--checkpoint_every needs --checkpoint_dir")
-        from ._config import PARALLEL, PLANNED_EMBEDDING_BACKENDS, PRECISIONS
+        from ._config import PARALLEL, PRECISIONS
 
-        if self.embedding_backend in PLANNED_EMBEDDING_BACKENDS:
+        if self.embedding_backend == "cpu" and self.target != "tpu":
             raise config_error(
-                f"--embedding_backend {self.embedding_backend} (tables on the host through TorchRec's CPU "
-                "kernels, the dense step on the device) is not available yet: the StepGraph split at the "
-                "embedding boundary is not built. Fix: --embedding_backend in_graph (lookups and sparse "
-                "row-wise updates inside the compiled step, on --target gpu and tpu), or leave the flag out "
-                "for the target's default."
+                f"--embedding_backend cpu (tables on the host, the rest of the step on the device) is the TPU "
+                f"path's (got --target {self.target}). Fix: --target tpu --embedding_backend cpu, or on this "
+                "target --embedding_backend in_graph (or leave the flag out for the target's default)."
+            )
+        if self.embedding_backend == "cpu" and (self.wants_multihost() or self.table_sharding is not None):
+            raise config_error(
+                "--embedding_backend cpu keeps every table whole in this process's host memory: it takes no "
+                "--table_sharding and no --multihost (got --table_sharding "
+                f"{self.table_sharding}, --multihost {self.wants_multihost()}). Fix: drop those flags, or use "
+                "--embedding_backend in_graph / ring_shift to place tables on the devices."
             )
 
         if self.precision not in PRECISIONS:

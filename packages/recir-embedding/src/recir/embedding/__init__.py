@@ -12,6 +12,7 @@ from ._bucket import bucketize as bucketize
 from ._bucket import pad_to_bucket as pad_to_bucket
 from ._checks import checks as checks
 from ._checks import checks_enabled as checks_enabled
+from ._host import HostEmbeddings as HostEmbeddings
 from ._jagged import JaggedBatch as JaggedBatch
 from ._jagged import validate_batch as validate_batch
 from ._jagged import validate_step_batch as validate_step_batch
@@ -30,6 +31,9 @@ from ._table import EmbeddingTable as EmbeddingTable
 from ._table import feature_to_table as feature_to_table
 from ._table import tables_from_torchrec as tables_from_torchrec
 from ._transforms.sparsify_update import SparsifyUpdate as SparsifyUpdate
+from ._transforms.split_host import HostSplit as HostSplit
+from ._transforms.split_host import SplitHostEmbeddings as SplitHostEmbeddings
+from ._transforms.split_host import split_host as split_host
 
 __version__ = "0.1.0"
 
@@ -65,6 +69,11 @@ __all__ = [
     "SparsifyUpdate",
     "dedupe",
     "sparse_update",
+    # the embedding boundary: tables on the host, the dense step on the device
+    "SplitHostEmbeddings",
+    "split_host",
+    "HostSplit",
+    "HostEmbeddings",
     # errors (shared with recir.transforms)
     "CaptureError",
     "ConfigError",

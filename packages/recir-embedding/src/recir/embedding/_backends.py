@@ -16,6 +16,7 @@ import torch.fx as fx
 from recir.transforms import (
     OVERRIDE_KEY,
     PHASE_KEY,
+    REGION_KEY,
     ConfigError,
     Pipeline,
     StepGraph,
@@ -29,9 +30,10 @@ from . import _ring_shift as _ring_shift  # registers the recir::ring_shift_* op
 from ._checks import checks_enabled
 from ._graph import splice
 from ._transforms.sparsify_update import SparsifyUpdate
+from ._transforms.split_host import HOST_LOOKUP, SplitHostEmbeddings
 
 log = logging.getLogger("recir.embedding")
-BACKENDS: tuple[str, ...] = ("fbgemm", "torchrec", "in_graph", "ring_shift")
+BACKENDS: tuple[str, ...] = ("fbgemm", "torchrec", "in_graph", "ring_shift", "cpu")
 TARGETS: tuple[str, ...] = ("gpu", "tpu")
 
 _BAG = torch.ops.recir.embedding_bag.default
@@ -88,6 +90,12 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
             raise ImportError(
                 "the 'torchrec' embedding backend needs TorchRec: install recir-embedding[torchrec]"
             ) from e
+    if backend == "cpu" and target != "tpu":
+        raise ConfigError(
+            "embedding backend 'cpu' (tables on the host, the dense step on the device) is built for the "
+            f"TPU path; target is {target!r}. Fix: on the GPU path use 'fbgemm', 'torchrec' or 'in_graph' "
+            "(FBGEMM's fused TBE at the same embedding boundary is not built yet)."
+        )
     if backend == "ring_shift":
         if target != "tpu":
             raise ConfigError(
@@ -177,6 +185,8 @@ def _apply_backend(
             node.replace_all_uses_with(node.args[0])
             step.graph.erase_node(node)
             counts["checks_removed"] += 1
+        elif HOST_LOOKUP in (node.meta.get(REGION_KEY) or ()):
+            counts["host_lookups"] = counts.get("host_lookups", 0) + 1  # split_host runs them on the host
         elif node.target in _BAG_OPS:
             counts["lookups"] += 1
             if backend == "in_graph":
@@ -263,14 +273,16 @@ def prepare_for_lowering(
 ) -> StepGraph:
     """The StepGraph a lowering compiles: sparse row-wise updates, then the chosen embedding backend.
 
-    ``backend``: ``fbgemm`` | ``torchrec`` | ``in_graph`` | ``ring_shift`` | None (``fbgemm`` on CUDA
+    ``backend``: ``fbgemm`` | ``torchrec`` | ``in_graph`` | ``ring_shift`` | ``cpu`` | None (``fbgemm`` on CUDA
     with FBGEMM's CUDA build, ``in_graph`` elsewhere); ``target``: ``gpu`` | ``tpu``; ``device``: the torch device (GPU path).
     ``keep_checks``: keep the ``recir::check_jagged`` nodes (run-time id/length checks raising DataError);
     None keeps them on the gpu target while checks are enabled and drops them on tpu (validate batches
     on the host there). Drop them (False) for CUDA graphs: the check reads the ids on the host.
     ``row_sharded``: state slot -> mesh axis of the row-wise sharded tables (``ring_shift`` needs it: its
     lookups become ``recir::ring_shift_*`` ops carrying the axis; a lookup of any other table is a
-    ConfigError). Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
+    ConfigError). ``cpu`` (tpu target): tables whose update is row-wise are marked for the host by
+    ``recir-embed-split-host`` and their lookups stay ``recir::*`` ops; ``split_host`` then cuts the
+    result into host lookup, device and host update parts. Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
     ``step.meta["recir.embedding"]`` records the backend and what changed.
     """
     if target not in TARGETS:
@@ -288,7 +300,19 @@ def prepare_for_lowering(
         _warn_dense_tables(report["sparsify"])
     elif "recir.optimizer" in out.meta:
         log.info("recir.embedding: sparse_updates=False: every embedding table keeps its dense update")
-    report.update(_apply_backend(out, name, target, keep_checks, row_sharded))
+    if name == "cpu":
+        # Tables move to the host: mark their lookups and row updates (recir.embedding.split_host cuts
+        # there); lookups of tables left on the device are inlined as in_graph.
+        pipeline = Pipeline([SplitHostEmbeddings()], name="recir.embedding.prepare_for_lowering")
+        out = pipeline.run(out)
+        report["host_split"] = dict(pipeline.records[-1].stats)
+        for slot, reason in report["host_split"].get("skipped", {}).items():
+            log.warning(
+                "recir.embedding: table %s stays on the device (embedding backend 'cpu'): %s", slot, reason
+            )
+    report.update(
+        _apply_backend(out, "in_graph" if name == "cpu" else name, target, keep_checks, row_sharded)
+    )
     out.graph.eliminate_dead_code()
     out.graph.lint()
     out.graph_module.recompile()

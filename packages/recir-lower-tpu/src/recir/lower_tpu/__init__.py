@@ -8,6 +8,7 @@ from ._cache import enable_compile_cache as enable_compile_cache
 from ._compile import TPUCompiledStep as TPUCompiledStep
 from ._compile import TPUOptions as TPUOptions
 from ._compile import compile as compile
+from ._host_split import HostSplitCompiledStep as HostSplitCompiledStep
 from ._multihost import initialize_distributed as initialize_distributed
 from ._multihost import sync_processes as sync_processes
 from ._profile import node_seconds as node_seconds
@@ -25,6 +26,7 @@ __all__ = [
     "compile",
     "TPUCompiledStep",
     "TPUOptions",
+    "HostSplitCompiledStep",
     # multi-process (multi-host) JAX
     "initialize_distributed",
     "sync_processes",

@@ -13,11 +13,11 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import torch
-from recir.embedding import prepare_for_lowering
+from recir.embedding import HostEmbeddings, prepare_for_lowering, split_host
 from recir.transforms import ConfigError, DataError, StepGraph, verify, verify_level
 from torch import nn
 
@@ -25,6 +25,7 @@ from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register Rec
 from ._cache import cache_hits, compile_cache
 from ._convert import jax_dtype, to_jax, to_torch
 from ._host_checks import HostCheck, host_checks_of
+from ._host_split import HostSplitCompiledStep
 from ._multihost import gather_to_every_process
 from ._placement import Placement
 from ._private_apis import check_private_apis
@@ -279,6 +280,60 @@ def _data_error_message(text: str) -> str:
     )
 
 
+def _compile_host_split(
+    step: StepGraph, placement: Placement, options: TPUOptions, checks: Sequence[HostCheck]
+) -> HostSplitCompiledStep:
+    """``embedding_backend="cpu"``: prepare (sparse updates, host regions marked), cut at the embedding
+    boundary, compile the device part as usual and run the host parts in PyTorch."""
+    prepared = prepare_for_lowering(step, backend="cpu", target="tpu", sparse_updates=options.sparse_updates)
+    split = split_host(prepared)
+    if verify_level() >= 1:
+        for name, part in (("lookup", split.lookup), ("device", split.device), ("update", split.update)):
+            verify(part, transform=f"recir.embedding.split_host ({name} part)")
+    device = TPUCompiledStep(split.device, placement, options, "cpu")
+    logger.info(
+        "recir.lower_tpu: embedding backend 'cpu': %d table(s) on the host (%s), %d lookup(s), device part %s",
+        len(split.tables),
+        ", ".join(split.tables),
+        len(split.lookup.signature.outputs),
+        placement.describe(),
+    )
+    return HostSplitCompiledStep(prepared, split, device, HostEmbeddings(split), checks)
+
+
+@overload
+def compile(
+    step: StepGraph,
+    plan: Any = None,
+    *,
+    mesh: Any = None,
+    embedding_backend: Literal["cpu"],
+    options: TPUOptions = ...,
+) -> HostSplitCompiledStep: ...
+
+
+@overload
+def compile(
+    step: StepGraph,
+    plan: Any = None,
+    *,
+    mesh: Any = None,
+    embedding_backend: Literal["in_graph", "ring_shift"] | None = None,
+    options: TPUOptions = ...,
+) -> TPUCompiledStep: ...
+
+
+@overload
+def compile(
+    step: StepGraph,
+    plan: Any = None,
+    *,
+    mesh: Any = None,
+    embedding_backend: str | None = None,
+    options: TPUOptions = ...,
+) -> TPUCompiledStep | HostSplitCompiledStep: ...
+
+
 def compile(
     step: StepGraph,
     plan: Any = None,
@@ -286,7 +341,7 @@ def compile(
     mesh: Any = None,
     embedding_backend: str | None = None,
     options: TPUOptions = TPUOptions(),  # noqa: B008 - frozen dataclass
-) -> TPUCompiledStep:
+) -> TPUCompiledStep | HostSplitCompiledStep:
     """Lower ``step`` to JAX: torchax traces its ATen graph, ``jax.jit`` compiles it with state donated.
 
     Runs on a TPU when JAX has one, else on JAX's CPU backend. ``plan`` (a recir.distributed
@@ -294,7 +349,10 @@ def compile(
     everything lives on the default device. ``embedding_backend``: recir-embedding's backend for the
     TPU target: ``None``/``"in_graph"``, or ``"ring_shift"`` (needs ``plan`` to shard every looked-up
     table row-wise: ids travel a device ring and each device gathers its own rows with a Pallas kernel;
-    see ``recir.embedding.prepare_for_lowering``). Compiles at the first call.
+    see ``recir.embedding.prepare_for_lowering``), or ``"cpu"``: the tables and their optimizer state
+    stay on the host, looked up and updated row-wise by PyTorch on the CPU, and only the rest of the
+    step is compiled (a ``HostSplitCompiledStep``; for tables larger than device memory). Compiles at
+    the first call.
     """
     check_private_apis()
     if verify_level() >= 1:
@@ -306,6 +364,8 @@ def compile(
     if checks:
         logger.info("recir.lower_tpu: %d id/length check(s) run on the host before each step", len(checks))
     placement = placement_for(mesh, plan)
+    if embedding_backend == "cpu":
+        return _compile_host_split(step, placement, options, checks)
     row_sharded = _ring_shift.row_sharded_tables(plan) if placement.mesh is not None else {}
     step = prepare_for_lowering(
         step,

@@ -27,8 +27,12 @@ def _node_of(op_name: str, names: set[str]) -> str | None:
 def node_seconds(compiled: Any, trace_dir: str | Path) -> dict[str, float]:
     """``{node name: seconds}`` summed over every XLA event of the newest trace under ``trace_dir``
     (written by ``jax.profiler.trace(trace_dir)`` around calls of ``compiled``, a TPUCompiledStep).
-    Events whose instruction names no node (runtime copies, parameters) count under their own name."""
+    Events whose instruction names no node (runtime copies, parameters) count under their own name.
+    For a HostSplitCompiledStep (``embedding_backend="cpu"``) its device part's: the host lookups and
+    row updates run in PyTorch, outside the XLA trace."""
     from jax.profiler import ProfileData
+
+    compiled = getattr(compiled, "device", compiled)
 
     if getattr(compiled, "_compiled", None) is None:
         raise ConfigError("node_seconds: the step has not run yet. Fix: profile calls after the first one.")

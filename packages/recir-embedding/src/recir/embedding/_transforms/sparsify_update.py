@@ -27,6 +27,10 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 _ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
 _INDEX_PUTS = {aten.index_put.default, aten._unsafe_index_put.default}
 _SAME = {aten.detach.default, aten.clone.default, aten.alias.default}
+#: On each per-id gradient term a table's row update consumes (set by recir-embed-sparsify-update): a list
+#: of ``(table slot, ids node name)``. recir-embed-split-host starts from it to find the gradient w.r.t.
+#: each lookup's rows, the value a host-side table update receives from the device.
+ROW_GRAD_KEY = "recir.row_grad_of"
 _LOOKUPS = {
     aten.embedding.default,
     aten._embedding_bag.default,
@@ -337,6 +341,8 @@ class SparsifyUpdate(Transform):
             args = [placeholders[i] for i in idx] + [lr] + ([step_node] if step_node is not None else [])
             args += [n for t in terms for n in t.nodes()]
             fn = _update_fn(kind, hp, keys, terms, step_node is not None, core_shape)
+            for t in terms:
+                t.grad.meta[ROW_GRAD_KEY] = [*t.grad.meta.get(ROW_GRAD_KEY, []), (slot, t.ids.name)]
             new_nodes = splice(graph, fn, args, before=output, phase="optimizer", provenance=self.name)
             for i, node in zip(idx, new_nodes):
                 outs[i] = node
