@@ -22,13 +22,6 @@ _ML_HEADER = "index,user_id,sequence_item_ids,sequence_ratings,sequence_timestam
 _ML_ROW = '0,1,"{ids}","{ratings}","{times}"\n'
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def run_checkpoints(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     """A finished 2-step run's checkpoints (step-1, step-2); each case works on its own copy."""

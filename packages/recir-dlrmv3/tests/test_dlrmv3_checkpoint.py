@@ -8,19 +8,11 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import torch
 from _dlrmv3_output import messages
 from recir.dlrmv3._cli import main
 
 TINY = dict(batch_size=4, embedding_dim=16, num_layers=1, num_heads=2, uih_len=8, num_candidates=3,
             hash_size=200, num_eval_batches=2, num_threads=1, log_every=100)  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def _train(ckpt: Path, steps: int, every: int, *extra: str, target: str = "eager") -> list[str]:

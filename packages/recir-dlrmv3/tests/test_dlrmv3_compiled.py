@@ -5,7 +5,6 @@ import dataclasses
 import math
 
 import pytest
-import torch
 from _dlrmv3_events import run_dirs, scalars
 from _dlrmv3_output import messages
 from recir.dlrmv3 import TrainOptions, train
@@ -14,13 +13,6 @@ from recir.dlrmv3._cli import main
 TINY = dict(batch_size=4, embedding_dim=16, num_layers=1, num_heads=2, uih_len=8, num_candidates=3,
             hash_size=200, num_eval_batches=2, num_threads=1)  # fmt: skip
 FLAGS = [f"--{k}={v}" for k, v in TINY.items() if k != "num_eval_batches"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.tpu

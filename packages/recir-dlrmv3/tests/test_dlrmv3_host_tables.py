@@ -12,13 +12,6 @@ TINY = dict(batch_size=4, embedding_dim=16, num_layers=1, num_heads=2, uih_len=8
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.tpu
 @pytest.mark.parametrize("mesh", [None, "data=8"])
 def test_dlrmv3_host_tables_train_like_in_graph(mesh):

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 from recir.dlrmv3 import EagerTrainer, TrainOptions, run_parity
 from recir.dlrmv3._train import build
 
 TINY = dict(batch_size=4, embedding_dim=16, num_layers=1, num_heads=2, uih_len=8, num_candidates=3,
             hash_size=200, num_threads=1, input_dropout=0.0, layer_dropout=0.0, optimizer="adagrad")  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_dlrmv3_parity_compares_every_slot_of_both_sides():

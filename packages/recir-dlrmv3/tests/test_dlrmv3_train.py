@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from _dlrmv3_events import hparams, run_dirs, scalars, text
 from _dlrmv3_output import LOG_LINE, messages
 from recir.dlrmv3 import TrainOptions, train
@@ -20,14 +19,6 @@ from recir.dlrmv3._cli import main
 TINY = dict(batch_size=4, embedding_dim=16, num_layers=1, num_heads=2, uih_len=8, num_candidates=3,
             hash_size=200, num_eval_batches=2, num_threads=1)  # fmt: skip
 _CLI = [sys.executable, "-m", "recir.dlrmv3"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    # Two cores shared by many jobs: one thread is both faster and deterministic here.
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_dlrmv3_eager_training_learns_the_debug_data(tmp_path):
