@@ -23,7 +23,7 @@ from torch import nn
 
 from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
 from ._cache import cache_hits, compile_cache
-from ._convert import jax_dtype, to_jax, to_torch
+from ._convert import check_state_count, jax_dtype, to_jax, to_torch
 from ._host_checks import HostCheck, host_checks_of
 from ._host_split import HostSplitCompiledStep
 from ._multihost import gather_to_every_process
@@ -241,12 +241,7 @@ class TPUCompiledStep:
             return [to_jax(t, sh) for t, sh in zip(tensors, self._state_shardings)]
 
     def _check_state(self, state: Sequence[Any]) -> None:
-        n = len(self.step.signature.state)
-        if len(state) != n:
-            raise ConfigError(
-                f"expected {n} state arrays (signature order), got {len(state)}. "
-                "Fix: build state with compiled.init_state(model, optimizer) and pass the returned state on."
-            )
+        check_state_count(self.step, state)
         for slot, x in zip(self.step.signature.state, state):
             if isinstance(x, jax.Array) and x.is_deleted():
                 raise ConfigError(

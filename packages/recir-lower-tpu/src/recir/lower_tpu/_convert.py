@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import Sharding
+from recir.transforms import ConfigError, StepGraph
 from torchax.ops.mappings import t2j_dtype
 
 from ._multihost import host_value
@@ -41,3 +43,13 @@ def to_torch(x: jax.Array, dtype: torch.dtype) -> torch.Tensor:
     if host.dtype == jnp.bfloat16:
         return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16).to(dtype)
     return torch.from_numpy(host).to(dtype)
+
+
+def check_state_count(step: StepGraph, state: Sequence[Any]) -> None:
+    """ConfigError unless ``state`` has one value per state slot of ``step``."""
+    n = len(step.signature.state)
+    if len(state) != n:
+        raise ConfigError(
+            f"expected {n} state arrays (signature order), got {len(state)}. "
+            "Fix: build state with compiled.init_state(model, optimizer) and pass the returned state on."
+        )

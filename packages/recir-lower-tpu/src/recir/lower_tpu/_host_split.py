@@ -13,6 +13,7 @@ from recir.embedding import HostEmbeddings, HostSplit
 from recir.transforms import ConfigError, StepGraph
 from torch import nn
 
+from ._convert import check_state_count
 from ._host_checks import HostCheck
 
 
@@ -92,12 +93,7 @@ class HostSplitCompiledStep:
         return state
 
     def _check_state(self, state: Sequence[Any]) -> None:
-        n = len(self.step.signature.state)
-        if len(state) != n:
-            raise ConfigError(
-                f"expected {n} state values (signature order), got {len(state)}. "
-                "Fix: build state with compiled.init_state(model, optimizer) and pass the returned state on."
-            )
+        check_state_count(self.step, state)
         names = self.step.signature.state_names()
         for i in self._host:
             if not isinstance(state[i], torch.Tensor):
