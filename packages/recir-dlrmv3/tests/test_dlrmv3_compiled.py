@@ -47,12 +47,14 @@ def test_dlrmv3_parity_tpu(capsys):
     assert "parity FAILED" in capsys.readouterr().out
 
 
-def _gpu_path_parity(capsys, backend: str | None) -> None:  # type: ignore[no-untyped-def]
+def _gpu_path_parity(capsys, backend: str | None) -> str:  # type: ignore[no-untyped-def]
     args = ["parity", "--target", "gpu", "--steps", "2", *FLAGS]
     if backend:
         args += ["--embedding_backend", backend]
     assert main(args) == 0
-    assert "parity OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "parity OK" in out
+    return out
 
 
 @pytest.mark.gpu
@@ -72,6 +74,15 @@ def test_dlrmv3_parity_gpu_path_on_cpu(capsys):
     # The GPU path (Inductor) on the CPU device: one cold compile of the tiny step takes about a minute
     # on 2 cores (seconds with a warm cache), so this runs in CI.
     _gpu_path_parity(capsys, None)
+
+
+@pytest.mark.slow
+def test_dlrmv3_parity_gpu_path_fused_fbgemm_tbe_on_cpu(capsys):
+    # --embedding_backend fbgemm: FBGEMM's split TBE (fbgemm-gpu-cpu's kernels here) looks up the sequence
+    # features (pooling NONE) and trains the tables with its fused row-wise Adagrad outside the graph.
+    pytest.importorskip("fbgemm_gpu")
+    out = _gpu_path_parity(capsys, "fbgemm")
+    assert "table(s) trained by FBGEMM's TBE, fused optimizer" in out
 
 
 @pytest.mark.slow

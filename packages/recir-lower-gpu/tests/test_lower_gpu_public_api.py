@@ -22,6 +22,7 @@ def test_lower_gpu_public_surface_is_pinned():
         "compile",
         "export",
         "GPUCompiledStep",
+        "FusedTBECompiledStep",
         "GPUOptions",
         "INDUCTOR_MODES",
         "resolve_device",

@@ -189,6 +189,12 @@ class CompiledTrainer:
             extra = {} if compile_options is None else {"options": compile_options}
             self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend, **extra)
             self.description = f"{lowering.__name__}.compile on {_device_words(target)}, embedding backend {embedding_backend or 'default'}"
+            if (
+                tbe := getattr(self.compiled, "tbe", None)
+            ) is not None:  # recir.lower_gpu's FusedTBECompiledStep
+                self.description += (
+                    f" ({len(tbe.split.tables)} table(s) trained by FBGEMM's TBE, fused optimizer)"
+                )
         self.state = self.compiled.init_state(model, opt)
         self._first = True
         self.compile_seconds = 0.0

@@ -30,6 +30,9 @@ from ._rowwise import sparse_update as sparse_update
 from ._table import EmbeddingTable as EmbeddingTable
 from ._table import feature_to_table as feature_to_table
 from ._table import tables_from_torchrec as tables_from_torchrec
+from ._tbe import FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
+from ._tbe import FusedTBE as FusedTBE
+from ._tbe import fused_tbe_tables as fused_tbe_tables
 from ._transforms.sparsify_update import SparsifyUpdate as SparsifyUpdate
 from ._transforms.split_host import HostSplit as HostSplit
 from ._transforms.split_host import SplitHostEmbeddings as SplitHostEmbeddings
@@ -74,6 +77,9 @@ __all__ = [
     "split_host",
     "HostSplit",
     "HostEmbeddings",
+    "FusedTBE",
+    "fused_tbe_tables",
+    "FUSED_OPTIMIZERS",
     # errors (shared with recir.transforms)
     "CaptureError",
     "ConfigError",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -270,6 +270,7 @@ def prepare_for_lowering(
     sparse_updates: bool = True,
     keep_checks: bool | None = None,
     row_sharded: Mapping[str, str] | None = None,
+    host_tables: bool | Sequence[str] = False,
 ) -> StepGraph:
     """The StepGraph a lowering compiles: sparse row-wise updates, then the chosen embedding backend.
 
@@ -282,7 +283,10 @@ def prepare_for_lowering(
     lookups become ``recir::ring_shift_*`` ops carrying the axis; a lookup of any other table is a
     ConfigError). ``cpu`` (tpu target): tables whose update is row-wise are marked for the host by
     ``recir-embed-split-host`` and their lookups stay ``recir::*`` ops; ``split_host`` then cuts the
-    result into host lookup, device and host update parts. Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
+    result into host lookup, device and host update parts. ``host_tables``: mark tables for the host
+    split with any backend too (True: every table whose update is row-wise; a sequence: those table
+    slots), the backend then rewriting only the other lookups (the GPU path's fused FBGEMM TBE: the
+    marked tables' lookups and updates run in FBGEMM outside the compiled graph). Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
     ``step.meta["recir.embedding"]`` records the backend and what changed.
     """
     if target not in TARGETS:
@@ -300,15 +304,16 @@ def prepare_for_lowering(
         _warn_dense_tables(report["sparsify"])
     elif "recir.optimizer" in out.meta:
         log.info("recir.embedding: sparse_updates=False: every embedding table keeps its dense update")
-    if name == "cpu":
+    if name == "cpu" or host_tables is not False:
         # Tables move to the host: mark their lookups and row updates (recir.embedding.split_host cuts
-        # there); lookups of tables left on the device are inlined as in_graph.
-        pipeline = Pipeline([SplitHostEmbeddings()], name="recir.embedding.prepare_for_lowering")
+        # there); lookups of tables left on the device get the backend (in_graph for cpu).
+        only = None if isinstance(host_tables, bool) else tuple(host_tables)
+        pipeline = Pipeline([SplitHostEmbeddings(tables=only)], name="recir.embedding.prepare_for_lowering")
         out = pipeline.run(out)
         report["host_split"] = dict(pipeline.records[-1].stats)
         for slot, reason in report["host_split"].get("skipped", {}).items():
             log.warning(
-                "recir.embedding: table %s stays on the device (embedding backend 'cpu'): %s", slot, reason
+                "recir.embedding: table %s stays on the device (embedding backend %r): %s", slot, name, reason
             )
     report.update(
         _apply_backend(out, "in_graph" if name == "cpu" else name, target, keep_checks, row_sharded)

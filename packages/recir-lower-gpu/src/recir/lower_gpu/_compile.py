@@ -22,6 +22,7 @@ from ._cache import inductor_cache_dir, recir_cache_dir, stable_cache_keys, usin
 from ._cudagraph import CudaGraphStep
 from ._distributed import distribute_for_lowering
 from ._embedding import apply_embedding_backend
+from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
@@ -56,14 +57,18 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
     return resolved
 
 
-def _check_distributed(gm: fx.GraphModule, plan: Any) -> None:
-    collectives = [
+def _collectives(gm: fx.GraphModule) -> list[fx.Node]:
+    return [
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
         and isinstance(n.target, torch._ops.OpOverload)
         and n.target.namespace in _COLLECTIVE_NAMESPACES
     ]
+
+
+def _check_distributed(gm: fx.GraphModule, plan: Any) -> None:
+    collectives = _collectives(gm)
     if collectives and not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             f"recir.lower_gpu: the step has {len(collectives)} collective(s) (first: %{collectives[0].name}, "
@@ -102,7 +107,7 @@ def compile(
     device: torch.device | str | int | None = None,
     embedding_backend: str | None = None,
     options: GPUOptions | None = None,
-) -> GPUCompiledStep:
+) -> GPUCompiledStep | FusedTBECompiledStep:
     """Lower ``step`` with Inductor and return a :class:`GPUCompiledStep` (the ``CompiledStep`` protocol).
 
     ``plan`` is a recir.distributed ShardingPlan (or None): its collectives are graph nodes that run on
@@ -135,13 +140,74 @@ def compile(
             "recir.lower_gpu: CUDA graphs on: the run-time id checks (recir::check_jagged) are dropped, "
             "they read ids on the host; validate batches before the step"
         )
+    keep_checks = False if use_graphs else None
+    fused = _prepare_fused_tbe(step, embedding_backend, dev, options, keep_checks, plan)
+    if fused is not None:
+        return _compile_fused_tbe(fused, dev, options, plan, started)
     prepared, backend = apply_embedding_backend(
-        step,
-        embedding_backend,
-        dev,
-        sparse_updates=options.sparse_updates,
-        keep_checks=False if use_graphs else None,
+        step, embedding_backend, dev, sparse_updates=options.sparse_updates, keep_checks=keep_checks
     )
+    return _compile_prepared(prepared, backend, dev, options, plan, started)
+
+
+def _prepare_fused_tbe(
+    step: StepGraph,
+    backend: str | None,
+    dev: torch.device,
+    options: GPUOptions,
+    keep_checks: bool | None,
+    plan: Any,
+) -> StepGraph | None:
+    """The step prepared for FBGEMM's fused TBE (the tables it can train marked for the split), or None
+    when the fbgemm backend is not asked for, or no table can be fused (the log says why)."""
+    from recir.embedding import default_backend, fused_tbe_tables, prepare_for_lowering
+
+    if (backend or default_backend("gpu", dev)) != "fbgemm" or not options.fused_tbe:
+        return None
+    why = None
+    if not options.sparse_updates:
+        why = "GPUOptions(sparse_updates=False) keeps every table's dense update"
+    elif "recir.optimizer" not in step.meta:
+        why = "the step has no captured optimizer (meta 'recir.optimizer')"
+    elif plan is not None or _collectives(step.graph_module):
+        why = "the step is distributed (a sharding plan): the fused TBE runs single-process here"
+    if why is not None:
+        log.info("recir.lower_gpu: FBGEMM's forward kernel in the graph, not the fused TBE: %s", why)
+        return None
+    kw = {"backend": "fbgemm", "target": "gpu", "device": dev, "keep_checks": keep_checks}
+    marked = prepare_for_lowering(step, host_tables=True, **kw)
+    tables, reasons = fused_tbe_tables(marked)
+    for slot, reason in reasons.items():
+        log.info(
+            "recir.lower_gpu: table %s keeps FBGEMM's forward kernel and the in-graph row update, "
+            "not the fused TBE: %s",
+            slot,
+            reason,
+        )
+    if not tables:
+        return None
+    return marked if not reasons else prepare_for_lowering(step, host_tables=tables, **kw)
+
+
+def _compile_fused_tbe(
+    marked: StepGraph, dev: torch.device, options: GPUOptions, plan: Any, started: float
+) -> FusedTBECompiledStep:
+    """Cut the step at its tables, compile the dense part with Inductor, train the tables with TBE."""
+    from recir.embedding import FusedTBE, split_host
+
+    split = split_host(marked)
+    if verify_level() >= 1:
+        for name, part in (("lookup", split.lookup), ("dense", split.device), ("update", split.update)):
+            verify(part, transform=f"recir.embedding.split_host ({name} part)")
+    tbe = FusedTBE(split, dev)
+    dense = _compile_prepared(split.device, "fbgemm", dev, options, plan, started)
+    return FusedTBECompiledStep(marked, split, dense, tbe)
+
+
+def _compile_prepared(
+    prepared: StepGraph, backend: str, dev: torch.device, options: GPUOptions, plan: Any, started: float
+) -> GPUCompiledStep:
+    use_graphs = options.use_cuda_graphs(dev.type)
     gm = copy_graph_module(prepared.graph_module)
     if options.store_rng_masks:
         register_inductor_lowering()
@@ -151,7 +217,7 @@ def compile(
     retarget_devices(gm, dev)
     _check_distributed(gm, plan)
     check_kernels(gm, dev)
-    num_state = len(step.signature.state)
+    num_state = len(prepared.signature.state)
     if options.in_place:
         gm = add_in_place_epilogue(gm, num_state)
     cache_dir = inductor_cache_dir(options.cache_dir)

@@ -41,6 +41,11 @@ class GPUOptions:
       forward's and the backward's). The values are the same either way. Off by default: on the CPU
       it is slower (full-size DLRMv3, bf16, UIH 64: 320 ms/step against 276), and on CUDA, where an
       H200 profile showed the recomputation, it has not been measured yet.
+    - ``fused_tbe``: with ``embedding_backend="fbgemm"``, train the tables with FBGEMM's split TBE and its
+      fused backward + optimizer outside the compiled graph (the kernel TorchRec trains with): TBE looks
+      the rows up, the compiled dense step returns their gradients, TBE's backward updates the rows in
+      place. Tables or optimizers FBGEMM cannot fuse, and steps with a sharding plan, keep FBGEMM's
+      forward kernel in the graph and the graph's row update (one log line says why). False: always that.
     """
 
     mode: InductorMode = "default"
@@ -52,6 +57,7 @@ class GPUOptions:
     memoize_cpu_isa_probe: bool = True
     inductor_config: tuple[tuple[str, Any], ...] = ()
     store_rng_masks: bool = False
+    fused_tbe: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in INDUCTOR_MODES:

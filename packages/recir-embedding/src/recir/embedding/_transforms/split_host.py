@@ -86,6 +86,8 @@ class _Plan:
     row_grads: list[fx.Node]
     exported: list[fx.Node]
     skipped: dict[str, str]
+    lookup_tables: list[str]  # per lookup: its table slot
+    lookup_grads: dict[fx.Node, fx.Node]  # lookup -> the gradient w.r.t. its output, where the step has one
 
 
 def _plan(step: StepGraph, only: Sequence[str] | None) -> _Plan:
@@ -108,6 +110,7 @@ def _plan(step: StepGraph, only: Sequence[str] | None) -> _Plan:
     skipped: dict[str, str] = {}
     tables: dict[str, list[str]] = {}
     lookups: list[fx.Node] = []
+    lookup_tables: list[str] = []
     for slot in embedding_tables(step):
         if only is not None and slot not in only:
             continue
@@ -124,13 +127,29 @@ def _plan(step: StepGraph, only: Sequence[str] | None) -> _Plan:
             continue
         tables[slot] = [slot, *optim.get(slot, {}).get("state", {}).values()]
         lookups += mine
+        lookup_tables += [slot] * len(mine)
     if only is not None and (missing := sorted(set(only) - set(tables) - set(skipped))):
         raise ConfigError(f"recir-embed-split-host: {missing} are no embedding tables of this step")
 
     host_slots = {s for slots in tables.values() for s in slots}
     host_idx = [i for i, name in enumerate(names) if name in host_slots]
-    by_ids = {u.args[1].name: u for u in lookups if isinstance(u.args[1], fx.Node)}
-    row_grads = list({_row_grad_source(g, by_ids.get(ids)): None for t in tables for g, ids in tagged[t]})
+    row_grads_: dict[fx.Node, None] = {}
+    lookup_grads: dict[fx.Node, fx.Node] = {}
+    for t in tables:
+        by_ids = {
+            u.args[1].name: u
+            for u, s in zip(lookups, lookup_tables)
+            if s == t and isinstance(u.args[1], fx.Node)
+        }
+        for g, ids in tagged[t]:
+            lk = by_ids.get(ids)
+            src = _row_grad_source(g, lk)
+            row_grads_[src] = None
+            # the gradient w.r.t. the lookup's output: a sequence lookup's per-id gradient is its rows'; a
+            # bag's only when walked back to the pooled rows (else it stays per id: no output gradient)
+            if lk is not None and (lk.target != torch.ops.recir.embedding_bag.default or src is not g):
+                lookup_grads[lk] = src
+    row_grads = list(row_grads_)
     device_roots = [v for i, v in enumerate(outs) if i >= n_state or names[i] not in host_slots]
     stop = set(lookups)
     device = _ancestors([*device_roots, *row_grads], stop) - stop
@@ -161,7 +180,7 @@ def _plan(step: StepGraph, only: Sequence[str] | None) -> _Plan:
                 f"recir-embed-split-host: the new value of host slot {names[i]!r} is computed by the device "
                 f"part (%{outs[i].name}). Fix: leave this table on the device (SplitHostEmbeddings(tables=...))."
             )
-    return _Plan(tables, lookups, update, row_grads, exported, skipped)
+    return _Plan(tables, lookups, update, row_grads, exported, skipped, lookup_tables, lookup_grads)
 
 
 def _readers(ph: fx.Node) -> list[fx.Node]:
@@ -220,6 +239,8 @@ class SplitHostEmbeddings(RegionTransform):
         step.meta[HOST_SPLIT_KEY] = {
             "tables": plan.tables,
             "lookups": [n.name for n in plan.lookups],
+            "lookup_tables": list(plan.lookup_tables),
+            "lookup_grads": {k.name: v.name for k, v in plan.lookup_grads.items()},
             "row_grads": [n.name for n in plan.row_grads],
             "exported": [n.name for n in plan.exported],
             "skipped": plan.skipped,
@@ -266,11 +287,11 @@ class HostSplit:
     union, so checkpoints are the same as an unsplit step's. ``tables`` maps each host table slot to its
     slots (the table, then its optimizer state).
 
-    A fused lookup + backward + optimizer kernel (FBGEMM's split TBE on the GPU path, issue 19) takes the
-    host part's place as it is: its forward is ``lookup`` (the rows), and its backward, given the row
-    gradients that ``device`` returns (pooled ``[bags, D]`` for bags, the rows' for sequences: exactly
-    TBE's ``grad_output``), applies the optimizer of ``step.meta["recir.optimizer"][table]`` in place, i.e.
-    ``update``; the non-gradient boundary values are the optimizer's step counter and learning rate.
+    A fused lookup + backward + optimizer kernel takes the host parts' place (``recir.embedding.FusedTBE``,
+    FBGEMM's split TBE on the GPU path): its forward is ``lookup`` (the rows), and its backward, given the
+    row gradients that ``device`` returns (pooled ``[bags, D]`` for bags, the rows' for sequences: exactly
+    TBE's ``grad_output``; ``lookup_grads`` says which is whose), applies the optimizer of
+    ``step.meta["recir.optimizer"][table]`` in place, i.e. ``update``.
     """
 
     step: StepGraph
@@ -281,6 +302,11 @@ class HostSplit:
     device_slots: list[int]
     tables: dict[str, list[str]]
     row_grads: int
+    #: per lookup (the order of ``lookup``'s row outputs): its table slot
+    lookup_tables: list[str] = dataclasses.field(default_factory=list)
+    #: per lookup: the index among ``device``'s boundary row gradients of the gradient w.r.t. its rows, or
+    #: None when the device returns per-id gradients for it (a bag whose pooling could not be walked back)
+    lookup_grads: list[int | None] = dataclasses.field(default_factory=list)
 
 
 def split_host(step: StepGraph) -> HostSplit:
@@ -371,8 +397,19 @@ def split_host(step: StepGraph) -> HostSplit:
         g,
         Signature(host_state, sig.batch + tuple(slot(n, b) for n, b in zip(exported, bnd_names)), (), None),
     )
+    grad_index = {name: k for k, name in enumerate(info["row_grads"])}
+    lookup_grads = [grad_index.get(info["lookup_grads"].get(n.name, "")) for n in lookups]
     return HostSplit(
-        step, lookup, device, update, host_idx, dev_idx, dict(info["tables"]), len(info["row_grads"])
+        step,
+        lookup,
+        device,
+        update,
+        host_idx,
+        dev_idx,
+        dict(info["tables"]),
+        len(info["row_grads"]),
+        list(info["lookup_tables"]),
+        lookup_grads,
     )
 
 
