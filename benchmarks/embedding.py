@@ -3,6 +3,9 @@
 RecIR's sparse row-wise updates should make the step cost grow with the ids in a batch, not the table:
 the printed ratio (large / small step time) should be ~1.0 (goal <= 1.2) on each lowering path, next to
 the dense-gradient baseline (``nn.EmbeddingBag`` + ``torch.optim``), whose step grows with the table.
+``lower_gpu`` keeps the lookups and the row update in the Inductor-compiled step (``in_graph``);
+``lower_gpu_tbe`` trains the table with FBGEMM's split TBE and its fused backward + optimizer outside it
+(``embedding_backend="fbgemm"``; FBGEMM's CPU build here).
 Each (path, size) runs in its own process so peak-memory numbers are not mixed.
 
 ``--ring`` instead compares, on 8 JAX host devices (``JAX_PLATFORMS=cpu``, not a TPU), a row-sharded
@@ -23,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-PATHS = ("interpreter", "lower_gpu", "lower_tpu", "baseline")
+PATHS = ("interpreter", "lower_gpu", "lower_gpu_tbe", "lower_tpu", "baseline")
 
 
 def _rss_kb(field: str) -> int:
@@ -103,10 +106,13 @@ def worker(path: str, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         step = capture_train_step(model, opt, _loss_fn, batches[0][0], overrides=overrides())
         if path == "interpreter":
             runner: Any = prepare_for_lowering(step, backend="in_graph", target="gpu", device="cpu")
-        elif path == "lower_gpu":
+        elif path in ("lower_gpu", "lower_gpu_tbe"):
             import recir.lower_gpu
 
-            runner = recir.lower_gpu.compile(step, device=device)
+            # lower_gpu: the in-graph row update (and ATen lookups) in the Inductor step; lower_gpu_tbe:
+            # FBGEMM's split TBE with its fused backward + SGD outside it
+            backend = "fbgemm" if path == "lower_gpu_tbe" else "in_graph"
+            runner = recir.lower_gpu.compile(step, device=device, embedding_backend=backend)
         else:
             import recir.lower_tpu
 

@@ -77,7 +77,8 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         "--embedding_backend",
         choices=EMBEDDING_BACKENDS,
         default=None,
-        help="embedding kernels of a compiled target (default: fbgemm on CUDA, in_graph elsewhere; cpu, "
+        help="embedding kernels of a compiled target (default: fbgemm on CUDA, in_graph elsewhere; fbgemm, "
+        "--target gpu: FBGEMM's split TBE trains the tables with its fused optimizer outside the graph; cpu, "
         "--target tpu only: tables and their optimizer state on the host, the rest of the step on the "
         "device, for tables larger than device memory)",
     )
