@@ -5,13 +5,18 @@ from recir.transforms import ConfigError as ConfigError
 from recir.transforms import DataError as DataError
 
 from ._backends import BACKENDS as BACKENDS
+from ._backends import ApplyEmbeddingBackend as ApplyEmbeddingBackend
 from ._backends import default_backend as default_backend
+from ._backends import embedding_report as embedding_report
+from ._backends import embedding_transforms as embedding_transforms
 from ._backends import prepare_for_lowering as prepare_for_lowering
+from ._backends import resolve_backend as resolve_backend
 from ._bucket import PadReport as PadReport
 from ._bucket import bucketize as bucketize
 from ._bucket import pad_to_bucket as pad_to_bucket
 from ._checks import checks as checks
 from ._checks import checks_enabled as checks_enabled
+from ._host import CutHostSplit as CutHostSplit
 from ._host import HostEmbeddings as HostEmbeddings
 from ._jagged import JaggedBatch as JaggedBatch
 from ._jagged import validate_batch as validate_batch
@@ -77,6 +82,11 @@ __all__ = [
     "split_host",
     "HostSplit",
     "HostEmbeddings",
+    "CutHostSplit",
+    "ApplyEmbeddingBackend",
+    "embedding_transforms",
+    "embedding_report",
+    "resolve_backend",
     "FusedTBE",
     "fused_tbe_tables",
     "FUSED_OPTIMIZERS",

@@ -6,6 +6,7 @@ kernels; ``in_graph`` inlines the pure-ATen reference (traceable: Inductor and t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -20,10 +21,11 @@ from recir.transforms import (
     ConfigError,
     Pipeline,
     StepGraph,
+    Transform,
+    TransformResult,
     embedding_bag_reference,
-    verify,
+    register_transform,
 )
-from recir.transforms import verify_level as _verify_level
 
 from . import _ops
 from . import _ring_shift as _ring_shift  # registers the recir::ring_shift_* ops
@@ -93,8 +95,8 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
     if backend == "cpu" and target != "tpu":
         raise ConfigError(
             "embedding backend 'cpu' (tables on the host, the dense step on the device) is built for the "
-            f"TPU path; target is {target!r}. Fix: on the GPU path use 'fbgemm', 'torchrec' or 'in_graph' "
-            "(FBGEMM's fused TBE at the same embedding boundary is not built yet)."
+            f"TPU path; target is {target!r}. Fix: on the GPU path use 'fbgemm' (FBGEMM's fused TBE trains "
+            "the tables at the same embedding boundary), 'torchrec' or 'in_graph'."
         )
     if backend == "ring_shift":
         if target != "tpu":
@@ -261,6 +263,109 @@ def _warn_dense_tables(stats: Mapping[str, Any]) -> None:
         )
 
 
+@register_transform
+class ApplyEmbeddingBackend(Transform):
+    """Retarget a step's lookups to an embedding backend's kernels.
+
+    ``fbgemm`` / ``torchrec``: each ``recir::embedding_bag`` / ``recir::embedding`` becomes that backend's
+    forward-kernel override op (called at a graph boundary); ``in_graph``: the pure-ATen reference is
+    inlined; ``ring_shift``: the backend's op carrying the mesh axis of its row-sharded table, and the
+    sparse row update's reads/writes of those tables become ring ops. Lookups marked for the host
+    (``recir.host:lookup``) are left alone. ``keep_checks=False`` drops ``recir::check_jagged`` nodes::
+
+        %rows = recir.embedding_bag(%W, %ids, %offs, None, 0)         # before
+        %rows = recir.fbgemm_embedding_bag(%W, %ids, %offs, None, 0)  # after, backend="fbgemm"
+    """
+
+    name = "recir-embed-apply-backend"
+    summary = "retarget lookups to the embedding backend's kernels (override ops, or inlined ATen)"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        backend: str = "in_graph"
+        target: str = "gpu"
+        keep_checks: bool = True
+        row_sharded: tuple[tuple[str, str], ...] = ()  # (state slot, mesh axis) of row-sharded tables
+
+    def requires(self, step: StepGraph) -> None:
+        if self.options.backend not in BACKENDS or self.options.backend == "cpu":
+            raise ConfigError(f"{self.name}: backend {self.options.backend!r} has no lookup kernels")
+        if self.options.target not in TARGETS:
+            raise ConfigError(f"{self.name}: target {self.options.target!r} is not one of {TARGETS}")
+
+    def run(self, step: StepGraph) -> TransformResult:
+        o = self.options
+        counts = _apply_backend(step, o.backend, o.target, o.keep_checks, dict(o.row_sharded))
+        step.graph.eliminate_dead_code()
+        step.graph.lint()
+        step.graph_module.recompile()
+        changed = any(counts.get(k) for k in ("lookups", "checks_removed", "row_updates"))
+        return TransformResult(step, changed, counts)
+
+
+def embedding_transforms(
+    step: StepGraph,
+    *,
+    backend: str,
+    target: str,
+    keep_checks: bool,
+    sparse_updates: bool = True,
+    row_sharded: Mapping[str, str] | None = None,
+    host_tables: bool | Sequence[str] = False,
+) -> list[Transform]:
+    """recir-embedding's part of a lowering pipeline, every choice an option: sparse row-wise updates
+    (when asked and the step has a captured optimizer), the host split's marking (``host_tables``, and
+    always for ``backend="cpu"``), then the backend's kernels for the other lookups."""
+    out: list[Transform] = []
+    if sparse_updates and "recir.optimizer" in step.meta:
+        out.append(SparsifyUpdate())
+    if backend == "cpu" or host_tables is not False:
+        only = None if isinstance(host_tables, bool) else tuple(host_tables)
+        out.append(SplitHostEmbeddings(tables=only))
+    rows = tuple(sorted((row_sharded or {}).items())) if backend == "ring_shift" else ()
+    kernels = "in_graph" if backend == "cpu" else backend
+    out.append(
+        ApplyEmbeddingBackend(backend=kernels, target=target, keep_checks=keep_checks, row_sharded=rows)
+    )
+    return out
+
+
+def resolve_backend(
+    backend: str | None, target: str, device: Any = None, row_sharded: Mapping[str, str] | None = None
+) -> str:
+    """``backend`` (or the target's default) checked against what is installed: ConfigError/ImportError
+    naming the fix when it cannot run."""
+    if target not in TARGETS:
+        raise ConfigError(f"target {target!r} is not one of {TARGETS}")
+    name = backend or default_backend(target, device)
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown embedding backend {name!r}; choose one of {BACKENDS}")
+    _require(name, target, device, row_sharded)
+    return name
+
+
+def embedding_report(pipeline: Pipeline, backend: str, target: str) -> dict[str, Any]:
+    """What recir-embedding's transforms did in a pipeline run (``step.meta["recir.embedding"]``), with
+    one warning per table left dense or left on the device."""
+    report: dict[str, Any] = {"backend": backend, "target": target}
+    for rec in pipeline.records:
+        if rec.name == SparsifyUpdate.name:
+            report["sparsify"] = dict(rec.stats)
+            _warn_dense_tables(report["sparsify"])
+        elif rec.name == SplitHostEmbeddings.name:
+            report["host_split"] = dict(rec.stats)
+            for slot, reason in report["host_split"].get("skipped", {}).items():
+                log.warning(
+                    "recir.embedding: table %s stays on the device (embedding backend %r): %s",
+                    slot,
+                    backend,
+                    reason,
+                )
+        elif rec.name == ApplyEmbeddingBackend.name:
+            report.update(rec.stats)
+    return report
+
+
 def prepare_for_lowering(
     step: StepGraph,
     *,
@@ -289,40 +394,22 @@ def prepare_for_lowering(
     marked tables' lookups and updates run in FBGEMM outside the compiled graph). Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
     ``step.meta["recir.embedding"]`` records the backend and what changed.
     """
-    if target not in TARGETS:
-        raise ConfigError(f"target {target!r} is not one of {TARGETS}")
-    name = backend or default_backend(target, device)
-    if name not in BACKENDS:
-        raise ConfigError(f"unknown embedding backend {name!r}; choose one of {BACKENDS}")
-    _require(name, target, device, row_sharded)
-    out = _copy(step)
-    report: dict[str, Any] = {"backend": name, "target": target}
-    if sparse_updates and "recir.optimizer" in out.meta:
-        pipeline = Pipeline([SparsifyUpdate()], name="recir.embedding.prepare_for_lowering")
-        out = pipeline.run(out)
-        report["sparsify"] = dict(pipeline.records[-1].stats)
-        _warn_dense_tables(report["sparsify"])
-    elif "recir.optimizer" in out.meta:
+    name = resolve_backend(backend, target, device, row_sharded)
+    keep = keep_checks if keep_checks is not None else target == "gpu" and checks_enabled()
+    if not sparse_updates and "recir.optimizer" in step.meta:
         log.info("recir.embedding: sparse_updates=False: every embedding table keeps its dense update")
-    if name == "cpu" or host_tables is not False:
-        # Tables move to the host: mark their lookups and row updates (recir.embedding.split_host cuts
-        # there); lookups of tables left on the device get the backend (in_graph for cpu).
-        only = None if isinstance(host_tables, bool) else tuple(host_tables)
-        pipeline = Pipeline([SplitHostEmbeddings(tables=only)], name="recir.embedding.prepare_for_lowering")
-        out = pipeline.run(out)
-        report["host_split"] = dict(pipeline.records[-1].stats)
-        for slot, reason in report["host_split"].get("skipped", {}).items():
-            log.warning(
-                "recir.embedding: table %s stays on the device (embedding backend %r): %s", slot, name, reason
-            )
-    report.update(
-        _apply_backend(out, "in_graph" if name == "cpu" else name, target, keep_checks, row_sharded)
+    transforms = embedding_transforms(
+        step,
+        backend=name,
+        target=target,
+        keep_checks=keep,
+        sparse_updates=sparse_updates,
+        row_sharded=row_sharded,
+        host_tables=host_tables,
     )
-    out.graph.eliminate_dead_code()
-    out.graph.lint()
-    out.graph_module.recompile()
+    pipeline = Pipeline(transforms, name="recir.embedding.prepare_for_lowering")
+    out = pipeline.run(_copy(step))
+    report = embedding_report(pipeline, name, target)
     out.meta["recir.embedding"] = report
-    if _verify_level() >= 1:
-        verify(out, transform="recir-embedding-prepare-for-lowering")
     log.info("recir.embedding.prepare_for_lowering: %s", report)
     return out

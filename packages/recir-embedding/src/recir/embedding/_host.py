@@ -8,14 +8,24 @@ import contextlib
 import importlib.util
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
-from recir.transforms import REGION_KEY, ConfigError, StepGraph
+from recir.transforms import (
+    REGION_KEY,
+    ConfigError,
+    StepGraph,
+    Transform,
+    TransformResult,
+    register_transform,
+    verify,
+    verify_level,
+)
 from torch import Tensor
 
 from ._backends import _apply_backend, _copy
-from ._transforms.split_host import HostSplit
+from ._transforms.split_host import HOST_SPLIT_KEY, HostSplit, split_host
 
 log = logging.getLogger("recir.embedding")
 HOST_KERNELS = ("fbgemm", "torchrec")
@@ -117,3 +127,41 @@ def _in_place(part: StepGraph) -> tuple[fx.GraphModule, list[str]]:
             copied.append(slot.name)
     step.graph_module.recompile()
     return step.graph_module, copied
+
+
+@register_transform
+class CutHostSplit(Transform):
+    """Cut a step marked by ``recir-embed-split-host`` at its embedding boundary and continue with the
+    device part: the rest of the lowering pipeline compiles only what runs on the device.
+
+    The three parts (``split_host``) are kept on the transform (``self.split``) for the runtime that
+    chains them (``HostEmbeddings`` or ``FusedTBE`` around the compiled device part)::
+
+        (state, batch) -> (new_state, outputs)                                         # before
+        (device state, batch + rows) -> (new device state, outputs + row gradients...)  # after
+    """
+
+    name = "recir-embed-cut-host-split"
+    summary = "cut a host-split-marked step at the embedding boundary; continue with the device part"
+
+    def __init__(self, options: Any | None = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self.split: HostSplit | None = None
+
+    def requires(self, step: StepGraph) -> None:
+        if HOST_SPLIT_KEY not in step.meta:
+            raise ConfigError(f"{self.name}: run recir-embed-split-host first (the step has no host split)")
+
+    def run(self, step: StepGraph) -> TransformResult:
+        split = split_host(step)
+        if verify_level() >= 1:  # the host parts leave the pipeline here: verify them now
+            for name, part in (("lookup", split.lookup), ("update", split.update)):
+                verify(part, transform=f"{self.name} ({name} part)")
+        self.split = split
+        stats = {
+            "host_tables": len(split.tables),
+            "lookups": len(split.lookup_tables),
+            "row_grads": split.row_grads,
+            "boundary": len(split.device.signature.outputs) - len(step.signature.outputs),
+        }
+        return TransformResult(split.device, True, stats)

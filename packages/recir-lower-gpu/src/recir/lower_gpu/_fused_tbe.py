@@ -36,6 +36,8 @@ class FusedTBECompiledStep:
         self.plan = dense.plan
         self.embedding_backend = "fbgemm"
         self.cache_dir = dense.cache_dir
+        #: the rewrites from capture's output to Inductor's input, the cut at the tables included
+        self.pipeline = dense.pipeline
         self._host = split.host_slots
         self._dev = split.device_slots
         self._n_user = len(step.signature.outputs)

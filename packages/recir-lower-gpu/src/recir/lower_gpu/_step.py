@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import ConfigError, StepGraph
+from recir.transforms import ConfigError, Pipeline, StepGraph
 from torch import nn
 
 from ._cudagraph import CudaGraphStep
@@ -33,6 +33,7 @@ class GPUCompiledStep:
         cuda_graph: CudaGraphStep | None,
         compile_seconds: float,
         cache_dir: Path,
+        pipeline: Pipeline | None = None,
     ) -> None:
         self.step = step
         self.device = device
@@ -40,6 +41,8 @@ class GPUCompiledStep:
         self.plan = plan
         self.embedding_backend = embedding_backend
         self.cache_dir = cache_dir
+        #: the rewrites from capture's output to Inductor's input (``pipeline.report()``)
+        self.pipeline = pipeline
         self._fn = fn
         self._cuda_graph = cuda_graph
         self._compile_seconds = compile_seconds

@@ -15,7 +15,7 @@ import functools
 
 import torch
 import torch.fx as fx
-from recir.transforms import RNG_MASK_KEY
+from recir.transforms import OVERRIDE_KEY, RNG_MASK_KEY, register_override_op
 from torch import Tensor
 
 
@@ -28,6 +28,11 @@ def store(x: Tensor) -> Tensor:
 @store.register_fake
 def _store_fake(x: Tensor) -> Tensor:
     return torch.empty_like(x)
+
+
+# an opaque op the verifier accepts (INV-6): the rewrite is a Transform in the lowering's pipeline
+STORE_OVERRIDE = "recir-gpu-store-rng-masks"
+register_override_op("recir::store", STORE_OVERRIDE)
 
 
 @functools.cache
@@ -50,6 +55,7 @@ def store_rng_masks(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_after(node):
             stored = gm.graph.call_function(torch.ops.recir.store.default, (node,))
         stored.meta = {k: v for k, v in node.meta.items() if k != RNG_MASK_KEY}
+        stored.meta[OVERRIDE_KEY] = STORE_OVERRIDE
         for user in [u for u in node.users if u is not stored]:
             user.replace_input_with(node, stored)
         count += 1

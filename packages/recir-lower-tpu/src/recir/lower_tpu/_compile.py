@@ -17,8 +17,8 @@ from typing import Any, Literal, overload
 
 import jax
 import torch
-from recir.embedding import HostEmbeddings, prepare_for_lowering, split_host
-from recir.transforms import ConfigError, DataError, StepGraph, verify, verify_level
+from recir.embedding import CutHostSplit, HostEmbeddings, embedding_report, resolve_backend
+from recir.transforms import ConfigError, DataError, Pipeline, StepGraph, verify, verify_level
 from torch import nn
 
 from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
@@ -27,6 +27,7 @@ from ._convert import check_state_count, jax_dtype, to_jax, to_torch
 from ._host_checks import HostCheck, host_checks_of
 from ._host_split import HostSplitCompiledStep
 from ._multihost import gather_to_every_process
+from ._pipeline import private_copy, tpu_pipeline
 from ._placement import Placement
 from ._private_apis import check_private_apis
 from ._sharding import placement_for
@@ -70,8 +71,11 @@ class TPUCompiledStep:
         options: TPUOptions,
         embedding_backend: Any,
         host_checks: Sequence[HostCheck] = (),
+        pipeline: Pipeline | None = None,
     ):
         self.step = step
+        #: the rewrites from capture's output to torchax's input (``pipeline.report()``)
+        self.pipeline = pipeline
         self.host_checks = list(host_checks)
         self.placement = placement
         self.options = options
@@ -275,27 +279,6 @@ def _data_error_message(text: str) -> str:
     )
 
 
-def _compile_host_split(
-    step: StepGraph, placement: Placement, options: TPUOptions, checks: Sequence[HostCheck]
-) -> HostSplitCompiledStep:
-    """``embedding_backend="cpu"``: prepare (sparse updates, host regions marked), cut at the embedding
-    boundary, compile the device part as usual and run the host parts in PyTorch."""
-    prepared = prepare_for_lowering(step, backend="cpu", target="tpu", sparse_updates=options.sparse_updates)
-    split = split_host(prepared)
-    if verify_level() >= 1:
-        for name, part in (("lookup", split.lookup), ("device", split.device), ("update", split.update)):
-            verify(part, transform=f"recir.embedding.split_host ({name} part)")
-    device = TPUCompiledStep(split.device, placement, options, "cpu")
-    logger.info(
-        "recir.lower_tpu: embedding backend 'cpu': %d table(s) on the host (%s), %d lookup(s), device part %s",
-        len(split.tables),
-        ", ".join(split.tables),
-        len(split.lookup.signature.outputs),
-        placement.describe(),
-    )
-    return HostSplitCompiledStep(prepared, split, device, HostEmbeddings(split), checks)
-
-
 @overload
 def compile(
     step: StepGraph,
@@ -359,16 +342,30 @@ def compile(
     if checks:
         logger.info("recir.lower_tpu: %d id/length check(s) run on the host before each step", len(checks))
     placement = placement_for(mesh, plan)
-    if embedding_backend == "cpu":
-        return _compile_host_split(step, placement, options, checks)
     row_sharded = _ring_shift.row_sharded_tables(plan) if placement.mesh is not None else {}
-    step = prepare_for_lowering(
-        step,
-        backend=embedding_backend,
-        target="tpu",
-        sparse_updates=options.sparse_updates,
-        row_sharded=row_sharded if embedding_backend == "ring_shift" else None,
+    row_sharded = row_sharded if embedding_backend == "ring_shift" else {}
+    name = resolve_backend(embedding_backend, "tpu", None, row_sharded)
+    # The lowering's rewrites as code (recir.lower_tpu._pipeline.tpu_pipeline), on a private copy.
+    pipeline = tpu_pipeline(
+        step, sparse_updates=options.sparse_updates, backend=name, row_sharded=row_sharded
     )
+    step = pipeline.run(private_copy(step))
+    report = embedding_report(pipeline, name, "tpu")
+    step.meta["recir.embedding"] = report
+    cut = next((t for t in pipeline.transforms if isinstance(t, CutHostSplit)), None)
+    if cut is not None and cut.split is not None:
+        split = cut.split
+        split.step.meta["recir.embedding"] = report
+        device = TPUCompiledStep(split.device, placement, options, "cpu", pipeline=pipeline)
+        logger.info(
+            "recir.lower_tpu: embedding backend 'cpu': %d table(s) on the host (%s), %d lookup(s), device "
+            "part %s",
+            len(split.tables),
+            ", ".join(split.tables),
+            len(split.lookup.signature.outputs),
+            placement.describe(),
+        )
+        return HostSplitCompiledStep(split.step, split, device, HostEmbeddings(split), checks)
     backend = jax.default_backend()
     if options.persistent_cache and backend == "cpu" and jax.process_count() > 1:
         logger.info("recir.lower_tpu: persistent compile cache off (multi-process JAX on CPU)")
@@ -380,4 +377,4 @@ def compile(
             backend.upper(),
             placement.describe(),
         )
-    return TPUCompiledStep(step, placement, options, embedding_backend, checks)
+    return TPUCompiledStep(step, placement, options, embedding_backend, checks, pipeline=pipeline)

@@ -43,6 +43,8 @@ class HostSplitCompiledStep:
         self._host = split.host_slots
         self._dev = split.device_slots
         self._n_user = len(step.signature.outputs)
+        #: the rewrites from capture's output to torchax's input, the cut at the tables included
+        self.pipeline = device.pipeline
 
     @property
     def compile_seconds(self) -> float:

@@ -104,6 +104,8 @@ class Pipeline:
     - ``dump_dir`` (or env ``RECIR_DUMP_DIR``) receives ``NNN-<name>.before.txt`` / ``.after.txt``
       (NNN continues from the files already there, so successive pipelines never overwrite each other).
     - ``records`` / :meth:`report` give per-transform wall time, node deltas and stats.
+    - Transforms marked ``execution_form`` (a lowering's rewrite into its backend's calling convention)
+      come last and are not verified; ``verified`` is the last StepGraph that is still valid IR.
     """
 
     def __init__(
@@ -134,6 +136,14 @@ class Pipeline:
         self.name = name
         self.records: list[TransformRecord] = []
         self._level_used = 0
+        self.verified: StepGraph | None = None
+        forms = [t.execution_form for t in items]
+        if any(a and not b for a, b in zip(forms, forms[1:])):
+            first = next(t for t in items if t.execution_form)
+            raise ConfigError(
+                f"{name}: transform {first.name} rewrites into a backend's calling convention "
+                "(execution_form), so only other execution-form transforms may follow it. Fix: move it last."
+            )
 
     def __str__(self) -> str:
         return ",".join(format_transform(t) for t in self.transforms)
@@ -163,6 +173,7 @@ class Pipeline:
         if dump_path is not None:
             dump_path.mkdir(parents=True, exist_ok=True)
         self.records = []
+        self.verified = step
         if level >= 2:
             verify(step, level=level, transform=f"(input of {self.name})")
         for i, transform in enumerate(self.transforms, start=1):
@@ -201,12 +212,15 @@ class Pipeline:
             )
             if dump_path is not None:
                 _dump(dump_path / f"{stem}.after.txt", new, f"after {transform!r}: {self.records[-1].stats}")
+            if transform.execution_form:
+                step = new
+                continue
             if level >= 2:
                 verify(new, level=level, transform=transform.name)
-            step = new
+            step = self.verified = new
         if level == 1:
             verify(
-                step,
+                self.verified,
                 level=1,
                 transform=f"{self.name} [{self}] (RECIR_VERIFY=1 checks the end only; "
                 "rerun with RECIR_VERIFY=2 to name the transform)",

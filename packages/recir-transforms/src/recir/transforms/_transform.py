@@ -36,6 +36,10 @@ class Transform(abc.ABC):
     name: ClassVar[str]
     summary: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+    #: True for a lowering's last rewrite into its backend's calling convention (e.g. the GPU path's
+    #: in-place ``copy_`` epilogue): the result is what the backend receives, no longer a StepGraph the
+    #: verifier accepts. A Pipeline verifies nothing after it, and only other such transforms may follow.
+    execution_form: ClassVar[bool] = False
 
     def __init__(self, options: Any | None = None, **kwargs: Any) -> None:
         if options is not None and kwargs:

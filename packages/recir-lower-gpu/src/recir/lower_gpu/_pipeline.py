@@ -1,0 +1,218 @@
+"""The GPU lowering as a pipeline of Transforms, built in one place: :func:`gpu_pipeline`.
+
+Every rewrite between capture's output and Inductor's input is a registered Transform, so each gets
+verification, provenance, timings, ``RECIR_DUMP_DIR`` dumps and ``RECIR_DISABLE`` bisection, and
+``compiled.pipeline.report()`` lists them. The builder makes every choice (backend, fused tables,
+checks, device) and passes it to the transforms as options; the transforms read no environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+from recir.transforms import (
+    ConfigError,
+    Pipeline,
+    StepGraph,
+    Transform,
+    TransformResult,
+    register_transform,
+)
+
+from ._distributed import distribute_for_lowering
+from ._options import GPUOptions
+from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
+from ._store import register_inductor_lowering, store_rng_masks
+
+log = logging.getLogger("recir.lower_gpu")
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+def collectives(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's collective nodes (``_c10d_functional`` ops a recir.distributed plan inserts)."""
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target.namespace in _COLLECTIVE_NAMESPACES
+    ]
+
+
+@register_transform
+class DistributeForLowering(Transform):
+    """With a recir.distributed ShardingPlan, this rank's program: the plan's collectives as graph nodes
+    (``recir.distributed.distribute``). A step that is already distributed, or no plan: unchanged."""
+
+    name = "recir-gpu-distribute-step"
+    summary = "this rank's program under the sharding plan (collectives as graph nodes)"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        plan: Any = None
+
+    def run(self, step: StepGraph) -> TransformResult:
+        out = distribute_for_lowering(step, self.options.plan)
+        return TransformResult(out, out is not step, {"collectives": len(collectives(out.graph_module))})
+
+
+@register_transform
+class StoreRngMasks(Transform):
+    """Compute each dropout keep mask once and store it (``recir::store``) instead of letting Inductor
+    recompute its counter hash in every kernel that reads it (``GPUOptions.store_rng_masks``)."""
+
+    name = "recir-gpu-store-rng-masks"
+    summary = "route reads of dropout masks through recir::store (computed once, stored)"
+
+    def run(self, step: StepGraph) -> TransformResult:
+        register_inductor_lowering()
+        stored = store_rng_masks(step.graph_module)
+        if stored:
+            log.info("recir.lower_gpu: %d dropout mask(s) stored once, not recomputed per reader", stored)
+        return TransformResult(step, bool(stored), {"masks": stored})
+
+
+@register_transform
+class RetargetDevices(Transform):
+    """``device=`` arguments (factory ops, ``_to_copy``) and tensor constants moved to the target device."""
+
+    name = "recir-gpu-retarget-devices"
+    summary = "move device= arguments and tensor constants to the compile device"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        device: str = "cpu"
+
+    def run(self, step: StepGraph) -> TransformResult:
+        moved = retarget_devices(step.graph_module, torch.device(self.options.device))
+        return TransformResult(step, bool(moved), {"retargeted": moved})
+
+
+@register_transform
+class CheckKernels(Transform):
+    """No rewrite: every op must have an Inductor lowering/decomposition or a kernel for the device, and
+    collectives need an initialised process group. ``LoweringError``/``ConfigError`` name the node."""
+
+    name = "recir-gpu-check-kernels"
+    summary = "check every op can be compiled or called on the device (no rewrite)"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        device: str = "cpu"
+        planned: bool = False  # the step came with a sharding plan (only for the error's wording)
+
+    def run(self, step: StepGraph) -> TransformResult:
+        found = collectives(step.graph_module)
+        if found and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ConfigError(
+                f"recir.lower_gpu: the step has {len(found)} collective(s) (first: %{found[0].name}, "
+                f"{found[0].target}) {'from the plan ' if self.options.planned else ''}but no torch.distributed "
+                "process group is initialised. Fix: launch with torchrun and call "
+                "torch.distributed.init_process_group() (nccl on CUDA, gloo on CPU) before compiling."
+            )
+        check_kernels(step.graph_module, torch.device(self.options.device))
+        return TransformResult(step, False, {})
+
+
+@register_transform
+class InPlaceEpilogue(Transform):
+    """``(state, batch) -> (new_state, outputs)`` becomes ``(state, batch) -> outputs`` that ``copy_``s each
+    new state into its input, which Inductor fuses into the kernel computing it (no second persistent
+    copy of the state). The backend's calling convention, not IR: it comes last and is not verified::
+
+        return (%w1, %loss)                       # before
+        copy_(%w, %w1); return (%loss,)           # after
+    """
+
+    name = "recir-gpu-in-place-epilogue"
+    summary = "write each new state into its input with copy_ (Inductor's calling convention)"
+    execution_form = True
+
+    def run(self, step: StepGraph) -> TransformResult:
+        gm = add_in_place_epilogue(copy_graph_module(step.graph_module), len(step.signature.state))
+        copies = sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
+        return TransformResult(step.replace(graph_module=gm), True, {"copies": copies})
+
+
+def gpu_pipeline(
+    step: StepGraph,
+    *,
+    options: GPUOptions,
+    plan: Any,
+    device: torch.device,
+    embedding_backend: str | None,
+) -> Pipeline:
+    """The GPU lowering of ``step`` as a Pipeline, every choice made here:
+
+    1. this rank's program under ``plan`` (collectives as graph nodes);
+    2. recir-embedding's transforms: sparse row-wise table updates, then the backend's kernels; with the
+       ``fbgemm`` backend and ``GPUOptions(fused_tbe=True)``, the tables FBGEMM's TBE can train are
+       marked and the step is cut at the embedding boundary (``recir-embed-cut-host-split``): what
+       follows compiles only the device part, and TBE runs the tables around it;
+    3. dropout masks stored once (``GPUOptions.store_rng_masks``);
+    4. device arguments and constants moved to ``device``;
+    5. the kernel check (nothing rewritten);
+    6. the in-place epilogue (``GPUOptions.in_place``): what Inductor receives.
+    """
+    from recir.embedding import CutHostSplit, checks_enabled, embedding_transforms, resolve_backend
+
+    use_graphs = options.use_cuda_graphs(device.type)
+    transforms: list[Transform] = [DistributeForLowering(plan=plan)]
+    backend = resolve_backend(embedding_backend, "gpu", device)
+    fused = _fused_tables(step, backend, device, options, plan)
+    embedding = embedding_transforms(
+        step,
+        backend=backend,
+        target="gpu",
+        # the run-time id checks read ids on the host: not inside a CUDA graph
+        keep_checks=not use_graphs and checks_enabled(),
+        sparse_updates=options.sparse_updates,
+        host_tables=fused or False,
+    )
+    transforms += embedding
+    if fused:
+        transforms.append(CutHostSplit())
+    if options.store_rng_masks:
+        transforms.append(StoreRngMasks())
+    transforms += [
+        RetargetDevices(device=str(device)),
+        CheckKernels(device=str(device), planned=plan is not None),
+    ]
+    if options.in_place:
+        transforms.append(InPlaceEpilogue())
+    return Pipeline(transforms, name="recir.lower_gpu")
+
+
+def _fused_tables(
+    step: StepGraph, backend: str, device: torch.device, options: GPUOptions, plan: Any
+) -> list[str]:
+    """The tables FBGEMM's fused TBE trains (none unless the fbgemm backend and ``fused_tbe``); logs why
+    each other table, or the whole step, keeps the in-graph update."""
+    from recir.embedding import fused_tbe_tables, prepare_for_lowering
+
+    if backend != "fbgemm" or not options.fused_tbe:
+        return []
+    why = None
+    if not options.sparse_updates:
+        why = "GPUOptions(sparse_updates=False) keeps every table's dense update"
+    elif "recir.optimizer" not in step.meta:
+        why = "the step has no captured optimizer (meta 'recir.optimizer')"
+    elif plan is not None or collectives(step.graph_module):
+        why = "the step is distributed (a sharding plan): the fused TBE runs single-process here"
+    if why is not None:
+        log.info("recir.lower_gpu: FBGEMM's forward kernel in the graph, not the fused TBE: %s", why)
+        return []
+    marked = prepare_for_lowering(step, backend="fbgemm", target="gpu", device=device, host_tables=True)
+    tables, reasons = fused_tbe_tables(marked)
+    for slot, reason in reasons.items():
+        log.info(
+            "recir.lower_gpu: table %s keeps FBGEMM's forward kernel and the in-graph row update, "
+            "not the fused TBE: %s",
+            slot,
+            reason,
+        )
+    return tables
