@@ -119,14 +119,22 @@ def test_unfusable_tables_and_their_reasons():
         assert tables == [] and all(why in r for r in reasons.values()), reasons
 
 
-def test_fused_tbe_backward_needs_a_lookup_first():
-    model, optimizer, step = _captured("sgd")
+def test_fused_tbe_loads_state_into_its_buffers_and_checks_call_order():
+    model, optimizer, step = _captured("rowwise_adagrad")
     from recir.embedding import split_host
 
     split = split_host(
         prepare_for_lowering(step, backend="fbgemm", target="gpu", device="cpu", host_tables=True)
     )
     tbe = FusedTBE(split, "cpu")
+    state = step.init_state(model, optimizer)
+    host = [state[i] + 1.0 for i in split.host_slots]  # tables and their row-wise Adagrad sums
+    views = tbe.load(host)
+    assert [v.data_ptr() for v in views] == [v.data_ptr() for v in tbe.views()]
+    for got, want in zip(tbe.views(), host):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(Exception, match="expected shape"):
+        tbe.load([h[:1] for h in host])
     with pytest.raises(Exception, match="call lookup"):
         tbe.backward([])
     with pytest.raises(Exception, match="learning rate"):
