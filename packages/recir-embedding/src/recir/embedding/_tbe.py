@@ -270,6 +270,9 @@ class FusedTBE:
             for k, piece in zip(grp.features, _split_rows(grp, out, counts)):
                 rows[k] = piece.detach().contiguous()
         self._pending = outputs
+        missing = [k for k, r in enumerate(rows) if r is None]
+        if missing:  # every lookup of the split belongs to a group by construction
+            raise ConfigError(f"FusedTBE: lookup(s) {missing} of the split have no TBE (a RecIR bug)")
         return [r for r in rows if r is not None]
 
     def backward(self, row_grads: Sequence[Tensor]) -> None:
