@@ -60,10 +60,7 @@ def default_backend(target: str, device: Any = None) -> str:
 
 
 def _copy(step: StepGraph) -> StepGraph:
-    graph = fx.Graph()
-    out = graph.graph_copy(step.graph, {})
-    graph.output(out)
-    return step.replace(graph_module=fx.GraphModule(step.graph_module, graph))
+    return step.copy()
 
 
 def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, str] | None) -> None:

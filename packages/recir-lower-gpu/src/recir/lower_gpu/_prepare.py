@@ -11,6 +11,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from recir.transforms import OVERRIDE_KEY, PHASE_KEY, LoweringError, format_node, override_for_op
+from recir.transforms import (
+    copy_graph_module as copy_graph_module,  # its home; _compile and _export import it here
+)
 
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _COMPOSITE_KEYS = (
@@ -18,17 +21,6 @@ _COMPOSITE_KEYS = (
     "CompositeExplicitAutogradNonFunctional",
     "CompositeImplicitAutograd",
 )
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule with its own graph (node metadata copied shallowly, tensors shared)."""
-    graph = fx.Graph()
-    remap: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, remap)
-    graph.output(out)
-    for old, new in remap.items():
-        new.meta = dict(old.meta)
-    return fx.GraphModule(gm, graph)
 
 
 def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:

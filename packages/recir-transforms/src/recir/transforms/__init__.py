@@ -119,6 +119,9 @@ from ._step import (
     StepGraph as StepGraph,
 )
 from ._step import (
+    copy_graph_module as copy_graph_module,
+)
+from ._step import (
     format_node as format_node,
 )
 from ._step import (
@@ -162,6 +165,7 @@ __all__ = [
     "SlotInitializer",
     "param_buffer_initializer",
     "format_node",
+    "copy_graph_module",
     # node metadata keys
     "PHASE_KEY",
     "PHASES",

@@ -52,6 +52,14 @@ def param_buffer_initializer(
     return None
 
 
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule with its own graph (each node's metadata dict copied shallowly, tensors shared)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})  # node_copy gives each node a shallow copy of its meta
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
 @dataclasses.dataclass
 class StepGraph:
     """A functional ``torch.fx.GraphModule`` with an explicit :class:`Signature`.
@@ -71,6 +79,11 @@ class StepGraph:
         """A copy with some fields changed (``meta`` is copied shallowly)."""
         changes.setdefault("meta", dict(self.meta))
         return dataclasses.replace(self, **changes)
+
+    def copy(self) -> StepGraph:
+        """A copy with its own graph (node metadata copied shallowly, tensors shared), so rewrites of
+        the copy leave this step intact."""
+        return self.replace(graph_module=copy_graph_module(self.graph_module))
 
     @property
     def graph(self) -> fx.Graph:

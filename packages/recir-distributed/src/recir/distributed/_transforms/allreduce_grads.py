@@ -16,7 +16,7 @@ from typing import ClassVar
 from recir.transforms import SHARDING_KEY, StepGraph, Transform, TransformResult, register_transform
 
 from .._graphinfo import grad_nodes, require_grads
-from .._rewrite import C10D, collective, copy_step, repropagate
+from .._rewrite import C10D, collective, repropagate
 from ._common import PlanOptions, check_plan_matches
 
 
@@ -52,7 +52,7 @@ class AllReduceGradients(Transform):
         targets = self._targets(step)
         if not targets:
             return TransformResult(step, False, {"all_reduces": 0})
-        step = copy_step(step)
+        step = step.copy()
         graph = step.graph
         grads = grad_nodes(step)
         count = 0

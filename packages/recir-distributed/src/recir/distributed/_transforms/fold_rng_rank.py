@@ -19,7 +19,7 @@ import torch.fx as fx
 from recir.transforms import SHARDING_KEY, StepGraph, Transform, TransformResult, register_transform
 
 from .._graphinfo import source_of, state_placeholders
-from .._rewrite import call, copy_step, repropagate
+from .._rewrite import call, repropagate
 from ._common import PlanOptions, check_plan_matches
 
 RNG_SEED_SLOT = "rng:seed"
@@ -57,7 +57,7 @@ class FoldRngRank(Transform):
         if plan.mesh.data_size <= 1 or RNG_SEED_SLOT not in names:
             return TransformResult(step, False, {"folded": 0})
         index = data_index(plan, rank)
-        step = copy_step(step)
+        step = step.copy()
         graph = step.graph
         seed = state_placeholders(step)[RNG_SEED_SLOT]
         out = next(n for n in graph.nodes if n.op == "output")

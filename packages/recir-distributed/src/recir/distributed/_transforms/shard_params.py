@@ -21,7 +21,7 @@ import torch.fx as fx
 from recir.transforms import PHASE_KEY, ConfigError, StepGraph, Transform, TransformResult, register_transform
 
 from .._graphinfo import aliases_of, require_grads, state_placeholders
-from .._rewrite import C10D, collective, copy_step, repropagate, with_local_state
+from .._rewrite import C10D, collective, repropagate, with_local_state
 from ._common import PlanOptions, check_plan_matches
 
 # Reductions that would silently compute a per-shard value inside a sharded optimizer update.
@@ -65,7 +65,7 @@ class ShardParameters(Transform):
         targets = self._targets(step)
         if not targets:
             return TransformResult(step, False, {"sharded_params": 0})
-        step = copy_step(step)
+        step = step.copy()
         graph = step.graph
         phs = state_placeholders(step)
         grads = require_grads(step, targets, self.name)

@@ -32,7 +32,7 @@ from recir.transforms import (
 )
 
 from .._graphinfo import GRAD_OF_KEY, aliases_of, lookup_ops, lookups_of, optim_slots_of, state_placeholders
-from .._rewrite import C10D, call, collective, copy_step, repropagate, with_local_state
+from .._rewrite import C10D, call, collective, repropagate, with_local_state
 from ._common import PlanOptions, check_plan_matches
 
 aten = torch.ops.aten
@@ -66,7 +66,7 @@ class ShardTables(Transform):
         targets = self._targets(step)
         if not targets:
             return TransformResult(step, False, {"sharded_tables": 0})
-        step = copy_step(step)
+        step = step.copy()
         claimed: dict[fx.Node, str] = {}
         lookups = 0
         for table in targets:

@@ -18,7 +18,7 @@ import torch.fx as fx
 from recir.transforms import PHASE_KEY, StepGraph, Transform, TransformResult, register_transform
 
 from .._graphinfo import source_of, state_placeholders
-from .._rewrite import C10D, collective, copy_step, repropagate
+from .._rewrite import C10D, collective, repropagate
 from ._common import PlanOptions, check_plan_matches
 
 
@@ -56,7 +56,7 @@ class SyncBuffers(Transform):
         targets = self._targets(step)
         if not targets:
             return TransformResult(step, False, {"buffers": 0})
-        step = copy_step(step)
+        step = step.copy()
         graph = step.graph
         out = next(n for n in graph.nodes if n.op == "output")
         values = list(out.args[0])
