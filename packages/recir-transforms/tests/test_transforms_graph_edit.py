@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from _transforms_stepgraphs import mlp_sgd_step
-from recir.transforms import PHASE_KEY, copy_graph_module
+from recir.transforms import PHASE_KEY, copy_graph_module, format_node, format_window
 
 
 def test_step_copy_owns_its_graph_and_node_metadata():
@@ -20,3 +20,15 @@ def test_step_copy_owns_its_graph_and_node_metadata():
     assert step.format_graph(vals=True) == before
     gm = copy_graph_module(step.graph_module)
     assert gm.graph is not step.graph and str(gm.graph) == str(step.graph)
+
+
+def test_format_window_marks_the_node_with_the_callers_mark():
+    step, _, _ = mlp_sgd_step()
+    relu = next(n for n in step.graph.nodes if n.target is torch.ops.aten.relu.default)
+    text = format_window(step.graph, relu, radius=1, mark="--> ")
+    lines = text.splitlines()
+    assert lines[0].startswith(f"graph around %{relu.name} (nodes ")
+    marked = [line for line in lines if "-->" in line]
+    assert marked == [f"  --> {format_node(relu, vals=True)}"]
+    assert sum(line.startswith("      %") for line in lines) == 2  # one neighbour each side, aligned
+    assert f">>> %{relu.name}" in format_window(step.graph, relu)
