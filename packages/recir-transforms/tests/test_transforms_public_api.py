@@ -40,7 +40,7 @@ def test_transforms_public_surface_is_pinned():
         "StepGraph", "Signature", "StateSlot", "BatchSlot", "OutputSlot", "SlotInitializer",
         "param_buffer_initializer", "format_node", "PHASE_KEY", "PHASES", "REGION_KEY", "SHARDING_KEY",
         "OVERRIDE_KEY", "PROVENANCE_KEY", "Transform", "TransformResult", "NoOptions", "register_transform",
-        "get_transform", "registered_transforms", "Region", "RegionTransform", "regions_by_phase",
+        "get_transform", "registered_transforms", "Region", "RegionTransform", "regions_by_phase", "splice",
         "regions_by_pattern", "regions_by_override", "regions_by_id", "Pipeline", "TransformRecord",
         "parse_pipeline", "parse_transform", "format_transform", "verify", "verify_level", "INVARIANTS",
         "register_graph_namespace", "format_window", "format_val", "alias_chain", "DeadCodeElimination",

@@ -21,6 +21,7 @@ from recir.transforms import (
     Pipeline,
     StepGraph,
     embedding_bag_reference,
+    splice,
     verify,
 )
 from recir.transforms import verify_level as _verify_level
@@ -28,7 +29,6 @@ from recir.transforms import verify_level as _verify_level
 from . import _ops
 from . import _ring_shift as _ring_shift  # registers the recir::ring_shift_* ops
 from ._checks import checks_enabled
-from ._graph import splice
 from ._transforms.sparsify_update import SparsifyUpdate
 from ._transforms.split_host import HOST_LOOKUP, SplitHostEmbeddings
 

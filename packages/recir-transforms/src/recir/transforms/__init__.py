@@ -73,6 +73,7 @@ from ._region import regions_by_id as regions_by_id
 from ._region import regions_by_override as regions_by_override
 from ._region import regions_by_pattern as regions_by_pattern
 from ._region import regions_by_phase as regions_by_phase
+from ._region import splice as splice
 from ._signature import (
     BatchSlot as BatchSlot,
 )
@@ -196,6 +197,7 @@ __all__ = [
     "regions_by_pattern",
     "regions_by_override",
     "regions_by_id",
+    "splice",
     # pipelines
     "Pipeline",
     "TransformRecord",

@@ -17,9 +17,9 @@ from recir.transforms import (
     Transform,
     TransformResult,
     register_transform,
+    splice,
 )
 
-from .._graph import splice
 from .._rowwise import SPARSE_KINDS, sparse_update
 
 aten = torch.ops.aten
