@@ -10,14 +10,15 @@ Before::                                  After::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from recir.transforms import SHARDING_KEY, StepGraph, Transform, TransformResult, register_transform
+from recir.transforms import SHARDING_KEY, StepGraph, TransformResult, register_transform
 
 from .._graphinfo import grad_nodes, require_grads
 from .._rewrite import C10D, collective, repropagate
-from ._common import PlanOptions, check_plan_matches
+from ._common import PlanOptions, PlanTransform
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,18 +29,18 @@ class AllReduceGradientsOptions(PlanOptions):
 
 
 @register_transform
-class AllReduceGradients(Transform):
+class AllReduceGradients(PlanTransform):
     name: ClassVar[str] = "recir-dist-allreduce-grads"
     summary: ClassVar[str] = (
         "all-reduce (mean) the gradient of each replicated parameter at its recir.grad_of node"
     )
     Options: ClassVar[type] = AllReduceGradientsOptions
+    count_stat: ClassVar[str] = "all_reduces"
 
-    def requires(self, step: StepGraph) -> None:
-        check_plan_matches(step, self.options.plan, self.options.rank, self.name)
-        require_grads(step, self._targets(step), self.name)
+    def check_targets(self, step: StepGraph, targets: Sequence[str]) -> None:
+        require_grads(step, list(targets), self.name)
 
-    def _targets(self, step: StepGraph) -> list[str]:
+    def targets(self, step: StepGraph) -> list[str]:
         plan = self.options.plan
         return [
             s.name
@@ -47,12 +48,8 @@ class AllReduceGradients(Transform):
             if s.kind == "param" and plan.slots[s.name].get("grad") == "all_reduce"
         ]
 
-    def run(self, step: StepGraph) -> TransformResult:
+    def rewrite(self, step: StepGraph, targets: Sequence[str]) -> TransformResult:
         plan = self.options.plan
-        targets = self._targets(step)
-        if not targets:
-            return TransformResult(step, False, {"all_reduces": 0})
-        step = step.copy()
         graph = step.graph
         grads = grad_nodes(step)
         count = 0
