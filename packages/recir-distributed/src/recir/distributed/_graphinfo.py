@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from recir.transforms import ConfigError, StateSlot, StepGraph
+from recir.transforms import ConfigError, StateSlot, StepGraph, slot_path
 
 GRAD_OF_KEY = "recir.grad_of"
 OPTIM_PARAM_KEY = "recir.optim_param"
@@ -94,8 +94,8 @@ def grad_nodes(step: StepGraph) -> dict[str, fx.Node]:
 
 def optim_slots_of(step: StepGraph, param: str) -> list[StateSlot]:
     """Optimizer slots of ``param:<path>``: every ``optim:<path>:<key>`` slot."""
-    path = param.removeprefix("param:")
-    return [s for s in step.signature.state if s.kind == "optim" and s.name.startswith(f"optim:{path}:")]
+    path = slot_path(param)
+    return [s for s in step.signature.state if s.kind == "optim" and slot_path(s.name) == path]
 
 
 def require_grads(step: StepGraph, params: list[str], what: str) -> dict[str, fx.Node]:

@@ -14,12 +14,15 @@ import torch.utils._pytree as pytree
 from recir.transforms import (
     OVERRIDE_KEY,
     PHASE_KEY,
+    STEP_SLOT,
     BatchSlot,
     OutputSlot,
     Signature,
     StateSlot,
     StepGraph,
+    optim_slot,
     override_for_op,
+    param_slot,
 )
 from torch import Tensor, nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
@@ -83,24 +86,24 @@ def build_step(
     """Trace ``loss_fn(model, batch)``, its gradients and a ``kind`` optimizer update into a StepGraph."""
     hp = {**DEFAULTS[kind], **(hparams or {})}
     params = dict(model.named_parameters())
-    slots = [StateSlot(f"param:{n}", "param", tuple(p.shape), p.dtype) for n, p in params.items()]
+    slots = [StateSlot(param_slot(n), "param", tuple(p.shape), p.dtype) for n, p in params.items()]
     optim_meta: dict[str, Any] = {}
     for n, p in params.items():
         state = {}
         for key in STATE_KEYS[kind]:
             shape = (p.shape[0],) if kind == "rowwise_adagrad" else tuple(p.shape)
-            slots.append(StateSlot(f"optim:{n}:{key}", "optim", shape, p.dtype))
-            state[key] = f"optim:{n}:{key}"
-        optim_meta[f"param:{n}"] = {
+            slots.append(StateSlot(optim_slot(n, key), "optim", shape, p.dtype))
+            state[key] = optim_slot(n, key)
+        optim_meta[param_slot(n)] = {
             "kind": kind,
             "group": 0,
             "hparams": dict(hp),
             "state": state,
             "lr_slot": "optim:lr",
-            "step_slot": "optim:step" if kind.startswith("adam") else None,
+            "step_slot": STEP_SLOT if kind.startswith("adam") else None,
         }
     slots.append(StateSlot("optim:lr", "optim", (), torch.float32))
-    slots.append(StateSlot("optim:step", "optim", (), torch.float32))
+    slots.append(StateSlot(STEP_SLOT, "optim", (), torch.float32))
     leaves, spec = pytree.tree_flatten(batch)
     names = [s.name for s in slots]
     n_state = len(slots)
@@ -111,26 +114,26 @@ def build_step(
         b = pytree.tree_unflatten(list(flat[n_state:]), spec)
         marks["forward"] = _count()
         with torch.enable_grad():
-            live = {n: st[f"param:{n}"].detach().requires_grad_() for n in params}
+            live = {n: st[param_slot(n)].detach().requires_grad_() for n in params}
             with _reparametrize_module(model, live):
                 loss = loss_fn(model, b)
             marks["backward"] = _count()
             grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, live.values())]
         for n, g in zip(params, grads):
-            _node(g).meta["recir.grad_of"] = f"param:{n}"
+            _node(g).meta["recir.grad_of"] = param_slot(n)
         marks["optimizer"] = _count()
         new = dict(st)
-        lr, step = st["optim:lr"], st["optim:step"] + 1
-        new["optim:step"] = step
+        lr, step = st["optim:lr"], st[STEP_SLOT] + 1
+        new[STEP_SLOT] = step
         ranges = {}
         for n, g in zip(params, grads):
             start = _count()
-            skeys = [f"optim:{n}:{k}" for k in STATE_KEYS[kind]]
-            p_new, s_new = dense_update(kind, hp, st[f"param:{n}"], g, [st[k] for k in skeys], lr, step)
-            new[f"param:{n}"] = p_new
+            skeys = [optim_slot(n, k) for k in STATE_KEYS[kind]]
+            p_new, s_new = dense_update(kind, hp, st[param_slot(n)], g, [st[k] for k in skeys], lr, step)
+            new[param_slot(n)] = p_new
             new.update(zip(skeys, s_new))
-            ranges[f"param:{n}"] = (start, _count())
+            ranges[param_slot(n)] = (start, _count())
         marks["ranges"] = ranges
         out = [new[k] if new[k] is not st[k] else new[k].clone() for k in names]
         return (*out, loss.detach())

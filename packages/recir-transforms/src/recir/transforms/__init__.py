@@ -86,6 +86,18 @@ from ._signature import (
 from ._signature import (
     StateSlot as StateSlot,
 )
+from ._slot_names import RNG_OFFSET_SLOT as RNG_OFFSET_SLOT
+from ._slot_names import RNG_SEED_SLOT as RNG_SEED_SLOT
+from ._slot_names import SLOT_KINDS as SLOT_KINDS
+from ._slot_names import STEP_SLOT as STEP_SLOT
+from ._slot_names import SlotName as SlotName
+from ._slot_names import buffer_slot as buffer_slot
+from ._slot_names import lr_slot as lr_slot
+from ._slot_names import optim_slot as optim_slot
+from ._slot_names import param_slot as param_slot
+from ._slot_names import parse_slot_name as parse_slot_name
+from ._slot_names import rng_slot as rng_slot
+from ._slot_names import slot_path as slot_path
 from ._step import (
     DROPOUT_KEY as DROPOUT_KEY,
 )
@@ -167,6 +179,19 @@ __all__ = [
     "param_buffer_initializer",
     "format_node",
     "copy_graph_module",
+    # state-slot names: param:<path>, buffer:<path>, optim:<path>:<key>, optim:step, optim:group<i>:lr, rng:*
+    "SlotName",
+    "parse_slot_name",
+    "slot_path",
+    "param_slot",
+    "buffer_slot",
+    "optim_slot",
+    "lr_slot",
+    "rng_slot",
+    "SLOT_KINDS",
+    "STEP_SLOT",
+    "RNG_SEED_SLOT",
+    "RNG_OFFSET_SLOT",
     # node metadata keys
     "PHASE_KEY",
     "PHASES",

@@ -16,6 +16,7 @@ from torch import nn
 
 from ._errors import ConfigError
 from ._signature import Signature, StateSlot
+from ._slot_names import parse_slot_name
 
 PHASE_KEY = "recir.phase"
 REGION_KEY = "recir.region"
@@ -45,10 +46,13 @@ def param_buffer_initializer(
 ) -> torch.Tensor | None:
     """The default initializer: ``param:<path>`` and ``buffer:<path>`` slots read the live module."""
     del optimizer
-    if slot.kind == "param" and slot.name.startswith("param:"):
-        return model.get_parameter(slot.name.removeprefix("param:")).detach().clone()
-    if slot.kind == "buffer" and slot.name.startswith("buffer:"):
-        return model.get_buffer(slot.name.removeprefix("buffer:")).detach().clone()
+    if slot.kind not in ("param", "buffer"):
+        return None
+    name = parse_slot_name(slot.name)
+    if name.kind == slot.kind == "param":
+        return model.get_parameter(str(name.path)).detach().clone()
+    if name.kind == slot.kind == "buffer":
+        return model.get_buffer(str(name.path)).detach().clone()
     return None
 
 

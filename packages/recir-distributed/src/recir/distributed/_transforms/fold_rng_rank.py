@@ -17,13 +17,12 @@ from typing import ClassVar
 
 import torch
 import torch.fx as fx
-from recir.transforms import SHARDING_KEY, StepGraph, TransformResult, register_transform
+from recir.transforms import RNG_SEED_SLOT, SHARDING_KEY, StepGraph, TransformResult, register_transform
 
 from .._graphinfo import source_of, state_placeholders
 from .._rewrite import call, repropagate
 from ._common import PlanTransform
 
-RNG_SEED_SLOT = "rng:seed"
 M32 = 0xFFFFFFFF
 # Odd 32-bit constant (2**32 / golden ratio): seed + i * GOLDEN differs mod 2**32 for every i < 2**32.
 GOLDEN = 0x9E3779B9

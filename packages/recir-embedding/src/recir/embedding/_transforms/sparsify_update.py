@@ -16,6 +16,7 @@ from recir.transforms import (
     StepGraph,
     Transform,
     TransformResult,
+    parse_slot_name,
     register_transform,
     splice,
 )
@@ -244,8 +245,10 @@ def embedding_tables(step: StepGraph) -> dict[str, str]:
     placeholders = [n for n in step.graph.nodes if n.op == "placeholder"]
     out: dict[str, str] = {}
     for ph, name in zip(placeholders, names):
-        if not name.startswith("param:"):
+        slot = parse_slot_name(name)
+        if slot.kind != "param" or slot.path is None:
             continue
+        path = slot.path
         todo, seen = [ph], set()
         while todo:
             n = todo.pop()
@@ -258,7 +261,7 @@ def embedding_tables(step: StepGraph) -> dict[str, str]:
                 if user.target in _VIEWS or user.target in _SAME:
                     todo.append(user)
                 elif _is_lookup(user.target) and user.args and user.args[0] is n:
-                    module, _, attr = name[len("param:") :].rpartition(".")
+                    module, _, attr = path.rpartition(".")
                     recir_op = user.target not in _LOOKUPS
                     if recir_op or (attr == "weight" and user.meta.get(SCOPE_KEY) == module):
                         out[name] = module
