@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from recir.transforms import (
+    OPTIMIZER_KEY,
     RNG_OFFSET_SLOT,
     RNG_SEED_SLOT,
     STEP_SLOT,
@@ -49,7 +50,7 @@ from ._slots import OptimizerStateInitializer, batch_slots, slot_devices, state_
 from ._trace_context import CaptureFunctionMode, TraceContext, track_modules
 from ._trace_step import Recorder, check_inputs_unmutated, node_of, split_loss, trace
 
-OPTIMIZER_META = "recir.optimizer"
+OPTIMIZER_META = OPTIMIZER_KEY  # its old name here
 
 LossFn = Callable[[nn.Module, Any], Any]
 

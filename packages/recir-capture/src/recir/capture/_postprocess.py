@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from recir.transforms import (
     DROPOUT_KEY,
+    OPTIM_PARAM_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     RNG_MASK_KEY,
@@ -22,9 +23,6 @@ from recir.transforms import (
     parse_slot_name,
     slot_path,
 )
-
-GRAD_OF_KEY = "recir.grad_of"
-OPTIM_PARAM_KEY = "recir.optim_param"
 
 _DROP = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from recir.transforms import STEP_SLOT, buffer_slot, lr_slot, optim_slot, param_slot
+from recir.transforms import STEP_SLOT, buffer_slot, grad_of, lr_slot, optim_slot, param_slot
 from torch import Tensor, nn
 
 from ._embedding_bag_override import EmbeddingBagOverride
@@ -245,7 +245,7 @@ def captured_gradients(step: Any, state: Any, batch: Any) -> dict[str, Tensor]:
     class _Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             value = super().run_node(n)
-            slot = n.meta.get("recir.grad_of")
+            slot = grad_of(n)
             if slot is not None:
                 grads[slot] = value.detach().clone()
             return value

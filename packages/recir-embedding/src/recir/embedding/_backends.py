@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from recir.transforms import (
+    OPTIMIZER_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     REGION_KEY,
@@ -290,12 +291,12 @@ def prepare_for_lowering(
     _require(name, target, device, row_sharded)
     out = _copy(step)
     report: dict[str, Any] = {"backend": name, "target": target}
-    if sparse_updates and "recir.optimizer" in out.meta:
+    if sparse_updates and OPTIMIZER_KEY in out.meta:
         pipeline = Pipeline([SparsifyUpdate()], name="recir.embedding.prepare_for_lowering")
         out = pipeline.run(out)
         report["sparsify"] = dict(pipeline.records[-1].stats)
         _warn_dense_tables(report["sparsify"])
-    elif "recir.optimizer" in out.meta:
+    elif OPTIMIZER_KEY in out.meta:
         log.info("recir.embedding: sparse_updates=False: every embedding table keeps its dense update")
     if name == "cpu":
         # Tables move to the host: mark their lookups and row updates (recir.embedding.split_host cuts

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from recir.transforms import (
+    GRAD_OF_KEY,
+    OPTIM_PARAM_KEY,
+    OPTIMIZER_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     STEP_SLOT,
@@ -121,7 +124,7 @@ def build_step(
             grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, live.values())]
         for n, g in zip(params, grads):
-            _node(g).meta["recir.grad_of"] = param_slot(n)
+            _node(g).meta[GRAD_OF_KEY] = param_slot(n)
         marks["optimizer"] = _count()
         new = dict(st)
         lr, step = st["optim:lr"], st[STEP_SLOT] + 1
@@ -156,7 +159,7 @@ def build_step(
             node.meta[OVERRIDE_KEY] = override_for_op(node.target)
         for slot, (a, z) in marks["ranges"].items():
             if a <= i < z:
-                node.meta["recir.optim_param"] = slot
+                node.meta[OPTIM_PARAM_KEY] = slot
     gm.graph.eliminate_dead_code()
     gm.recompile()
     sig = Signature(
@@ -173,4 +176,4 @@ def build_step(
             return torch.zeros(slot.shape, dtype=slot.dtype)
         return None
 
-    return StepGraph(gm, sig, initializers=(init,), meta={"recir.optimizer": optim_meta})
+    return StepGraph(gm, sig, initializers=(init,), meta={OPTIMIZER_KEY: optim_meta})

@@ -28,6 +28,15 @@ from ._graph_util import format_val as format_val
 from ._graph_util import format_window as format_window
 from ._inference import INFERENCE_KEY as INFERENCE_KEY
 from ._inference import to_inference as to_inference
+from ._metadata import GRAD_OF_KEY as GRAD_OF_KEY
+from ._metadata import OPTIM_PARAM_KEY as OPTIM_PARAM_KEY
+from ._metadata import OPTIMIZER_KEY as OPTIMIZER_KEY
+from ._metadata import OptimizerInfo as OptimizerInfo
+from ._metadata import grad_nodes as grad_nodes
+from ._metadata import grad_of as grad_of
+from ._metadata import optim_param as optim_param
+from ._metadata import optimizer_infos as optimizer_infos
+from ._metadata import set_optimizer_infos as set_optimizer_infos
 from ._ops import (
     bag_segment_ids as bag_segment_ids,
 )
@@ -199,6 +208,16 @@ __all__ = [
     "SHARDING_KEY",
     "OVERRIDE_KEY",
     "PROVENANCE_KEY",
+    # metadata packages share: gradients, optimizer nodes, the step's optimizers
+    "GRAD_OF_KEY",
+    "OPTIM_PARAM_KEY",
+    "OPTIMIZER_KEY",
+    "OptimizerInfo",
+    "optimizer_infos",
+    "set_optimizer_infos",
+    "grad_of",
+    "optim_param",
+    "grad_nodes",
     "SCOPE_KEY",
     "BatchAdapter",
     "adapt_batch",

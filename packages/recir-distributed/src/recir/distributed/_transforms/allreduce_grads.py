@@ -14,9 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from recir.transforms import SHARDING_KEY, StepGraph, TransformResult, register_transform
+from recir.transforms import (
+    PHASE_KEY,
+    SHARDING_KEY,
+    StepGraph,
+    TransformResult,
+    grad_nodes,
+    register_transform,
+)
 
-from .._graphinfo import grad_nodes, require_grads
+from .._graphinfo import require_grads
 from .._rewrite import C10D, collective, repropagate
 from ._common import PlanOptions, PlanTransform
 
@@ -60,7 +67,7 @@ class AllReduceGradients(PlanTransform):
                     graph,
                     C10D.all_reduce.default,
                     (g, "avg", plan.group_name),
-                    phase=g.meta["recir.phase"],
+                    phase=g.meta[PHASE_KEY],
                     sharding={**plan.slots[slot], "role": "gradient"},
                 )
             g.replace_all_uses_with(avg, delete_user_cb=lambda u, start=avg.args[0]: u is not start)
@@ -73,7 +80,7 @@ class AllReduceGradients(PlanTransform):
                     graph,
                     C10D.all_reduce.default,
                     (loss, "avg", plan.group_name),
-                    phase=loss.meta.get("recir.phase", "forward"),
+                    phase=loss.meta.get(PHASE_KEY, "forward"),
                 )
             out.replace_input_with(loss, avg)
             avg.meta[SHARDING_KEY] = {"placement": "replicate", "role": "loss"}

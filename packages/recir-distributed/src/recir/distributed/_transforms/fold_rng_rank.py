@@ -17,7 +17,14 @@ from typing import ClassVar
 
 import torch
 import torch.fx as fx
-from recir.transforms import RNG_SEED_SLOT, SHARDING_KEY, StepGraph, TransformResult, register_transform
+from recir.transforms import (
+    PHASE_KEY,
+    RNG_SEED_SLOT,
+    SHARDING_KEY,
+    StepGraph,
+    TransformResult,
+    register_transform,
+)
 
 from .._graphinfo import source_of, state_placeholders
 from .._rewrite import call, repropagate
@@ -69,7 +76,7 @@ class FoldRngRank(PlanTransform):
         if not readers and not others_in_out:
             return TransformResult(step, False, {"folded": 0})
         first = min(readers, key=_position(graph)) if readers else out
-        phase = first.meta.get("recir.phase", "forward")
+        phase = first.meta.get(PHASE_KEY, "forward")
         with graph.inserting_before(first):
             low = call(graph, torch.ops.aten.bitwise_and.Scalar, seed, M32, phase=phase)
             moved = call(graph, torch.ops.aten.add.Tensor, low, folded_seed_delta(index), phase=phase)

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 from recir.transforms import (
+    GRAD_OF_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     SHARDING_KEY,
@@ -31,7 +32,7 @@ from recir.transforms import (
     register_transform,
 )
 
-from .._graphinfo import GRAD_OF_KEY, aliases_of, lookup_ops, lookups_of, optim_slots_of, state_placeholders
+from .._graphinfo import aliases_of, lookup_ops, lookups_of, optim_slots_of, state_placeholders
 from .._rewrite import C10D, call, collective, repropagate, with_local_state
 from ._common import PlanTransform
 
