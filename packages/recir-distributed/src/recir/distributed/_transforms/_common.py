@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from recir.transforms import ConfigError, StepGraph, Transform, TransformResult
 
+from .._graphinfo import require_grads
 from .._plan import ShardingPlan
 
 
@@ -49,13 +50,22 @@ class PlanTransform(Transform):
     Options: ClassVar[type] = PlanOptions
     #: The stats key that counts rewrites; 0 when there is nothing to rewrite.
     count_stat: ClassVar[str]
+    #: Whether the targets are param slots whose gradient nodes (``recir.grad_of``) must exist.
+    needs_grads: ClassVar[bool] = False
 
     @abc.abstractmethod
     def targets(self, step: StepGraph) -> Sequence[Any]:
         """What this transform rewrites in ``step`` under the plan (slot names, output positions)."""
 
-    def check_targets(self, step: StepGraph, targets: Sequence[Any]) -> None:  # noqa: B027 - optional hook
-        """Raise ConfigError if the targets cannot be rewritten (a missing gradient, a lookup)."""
+    def check_targets(self, step: StepGraph, targets: Sequence[Any]) -> None:
+        """Raise ConfigError if the targets cannot be rewritten (by default: a missing gradient node)."""
+        if self.needs_grads:
+            require_grads(step, list(targets), self.name)
+
+    def params_placed(self, step: StepGraph, key: str, value: str) -> list[str]:
+        """The param slots whose placement in the plan has ``key == value``, in signature order."""
+        slots = self.options.plan.slots
+        return [s.name for s in step.signature.state if s.kind == "param" and slots[s.name].get(key) == value]
 
     @abc.abstractmethod
     def rewrite(self, step: StepGraph, targets: Sequence[Any]) -> TransformResult:

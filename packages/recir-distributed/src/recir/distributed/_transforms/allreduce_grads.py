@@ -23,7 +23,6 @@ from recir.transforms import (
     register_transform,
 )
 
-from .._graphinfo import require_grads
 from .._rewrite import C10D, collective, repropagate
 from ._common import PlanOptions, PlanTransform
 
@@ -43,17 +42,10 @@ class AllReduceGradients(PlanTransform):
     )
     Options: ClassVar[type] = AllReduceGradientsOptions
     count_stat: ClassVar[str] = "all_reduces"
-
-    def check_targets(self, step: StepGraph, targets: Sequence[str]) -> None:
-        require_grads(step, list(targets), self.name)
+    needs_grads: ClassVar[bool] = True
 
     def targets(self, step: StepGraph) -> list[str]:
-        plan = self.options.plan
-        return [
-            s.name
-            for s in step.signature.state
-            if s.kind == "param" and plan.slots[s.name].get("grad") == "all_reduce"
-        ]
+        return self.params_placed(step, "grad", "all_reduce")
 
     def rewrite(self, step: StepGraph, targets: Sequence[str]) -> TransformResult:
         plan = self.options.plan

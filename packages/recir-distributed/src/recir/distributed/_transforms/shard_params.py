@@ -48,17 +48,10 @@ class ShardParameters(PlanTransform):
         "FSDP: all-gather sharded params for compute, reduce-scatter grads, update shards"
     )
     count_stat: ClassVar[str] = "sharded_params"
+    needs_grads: ClassVar[bool] = True
 
     def targets(self, step: StepGraph) -> list[str]:
-        plan = self.options.plan
-        return [
-            s.name
-            for s in step.signature.state
-            if s.kind == "param" and plan.slots[s.name].get("scheme") == "fsdp"
-        ]
-
-    def check_targets(self, step: StepGraph, targets: Sequence[str]) -> None:
-        require_grads(step, list(targets), self.name)
+        return self.params_placed(step, "scheme", "fsdp")
 
     def rewrite(self, step: StepGraph, targets: Sequence[str]) -> TransformResult:
         plan, rank = self.options.plan, self.options.rank
