@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from recir.transforms import (
+    GRAD_OF_KEY,
     OPTIMIZER_KEY,
     RNG_OFFSET_SLOT,
     RNG_SEED_SLOT,
@@ -252,7 +253,7 @@ def _finish_graph(
     post.tag_rng_masks(graph, rec.ctx.mask_marks, rec.ctx.dropout_marks)
     for slot, node in rec.grad_nodes.items():
         if node is not None:
-            node.meta[post.GRAD_OF_KEY] = slot
+            node.meta[GRAD_OF_KEY] = slot
     post.drop_identity_nodes(graph)
     post.inline_scalar_constants(gm)
     post.check_graph(graph, gm)
