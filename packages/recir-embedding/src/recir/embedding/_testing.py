@@ -23,6 +23,7 @@ from recir.transforms import (
     Signature,
     StateSlot,
     StepGraph,
+    lr_slot,
     optim_slot,
     override_for_op,
     param_slot,
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+LR_SLOT = lr_slot(0)  # one param group
 DEFAULTS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 0.1},
     "adagrad": {"lr": 0.1, "eps": 1e-10},
@@ -102,10 +104,10 @@ def build_step(
             "group": 0,
             "hparams": dict(hp),
             "state": state,
-            "lr_slot": "optim:lr",
+            "lr_slot": LR_SLOT,
             "step_slot": STEP_SLOT if kind.startswith("adam") else None,
         }
-    slots.append(StateSlot("optim:lr", "optim", (), torch.float32))
+    slots.append(StateSlot(LR_SLOT, "optim", (), torch.float32))
     slots.append(StateSlot(STEP_SLOT, "optim", (), torch.float32))
     leaves, spec = pytree.tree_flatten(batch)
     names = [s.name for s in slots]
@@ -127,7 +129,7 @@ def build_step(
             _node(g).meta[GRAD_OF_KEY] = param_slot(n)
         marks["optimizer"] = _count()
         new = dict(st)
-        lr, step = st["optim:lr"], st[STEP_SLOT] + 1
+        lr, step = st[LR_SLOT], st[STEP_SLOT] + 1
         new[STEP_SLOT] = step
         ranges = {}
         for n, g in zip(params, grads):
@@ -170,7 +172,7 @@ def build_step(
     )
 
     def init(slot: StateSlot, model: nn.Module, optimizer: Any) -> Tensor | None:
-        if slot.name == "optim:lr":
+        if slot.name == LR_SLOT:
             return torch.tensor(float(hp["lr"]))
         if slot.kind == "optim":
             return torch.zeros(slot.shape, dtype=slot.dtype)
