@@ -291,9 +291,14 @@ def test_inv9_optimizer_meta_names_the_signatures_slots():
     set_optimizer_infos(step, {"param:fc1.weight": good, "param:gone": good})  # a split part keeps others'
     verify(step, level=2)
     assert optimizer_infos(step)["param:fc1.weight"] == good
-    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["lr_slot"] = lr_slot(0)
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["lr_slot"] = lr_slot(0)  # shared scalars may live elsewhere
+    verify(step, level=2)
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["state"]["sum"] = "optim:fc1.weight:sum"
     err = _broken(step, "INV-9")
-    assert "'optim:group0:lr'" in str(err) and "param:fc1.weight" in str(err)
+    assert "'optim:fc1.weight:sum'" in str(err) and "param:fc1.weight" in str(err)
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["state"] = momentum
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["lr_slot"] = "lr"
+    assert "not of the grammar" in str(_broken(step, "INV-9"))
     del step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["kind"]
     assert "malformed" in str(_broken(step, "INV-9"))
     step.meta[OPTIMIZER_KEY] = {"fc1.weight": good.to_meta()}

@@ -18,6 +18,7 @@ from ._graph_util import _alias_base, format_val, format_window
 from ._metadata import GRAD_OF_KEY, OPTIM_PARAM_KEY, OPTIMIZER_KEY, OptimizerInfo
 from ._override import override_for_op
 from ._signature import BatchSlot, StateSlot
+from ._slot_names import parse_slot_name
 from ._step import OVERRIDE_KEY, PHASE_KEY, PHASES, StepGraph, format_node
 
 #: Invariant id -> one-line statement (INVARIANTS.md explains why each exists and what breaks it).
@@ -33,8 +34,8 @@ INVARIANTS: dict[str, str] = {
     "INV-7": "static shapes (no SymInt in any `val`) unless the StepGraph is marked dynamic",
     "INV-8": "`recir.grad_of` and `recir.optim_param` name param: state slots of the signature; "
     "at most one node holds `recir.grad_of` for a slot",
-    "INV-9": "step.meta['recir.optimizer'] maps param: slot names to optimizer entries (kind, lr_slot, ...); "
-    "the state, lr and step slots of each entry whose parameter is in the signature are state slots too",
+    "INV-9": "step.meta['recir.optimizer'] maps param: slot names to optimizer entries (kind, lr_slot, ...) "
+    "whose slot names follow the grammar; a parameter in the signature has its optimizer-state slots there too",
 }
 
 #: Op namespaces whose ops are ordinary graph ops (not opaque): ATen/prims, and the functional
@@ -428,14 +429,21 @@ class _Checker:
                 info = OptimizerInfo.from_meta(param, entry)
             except (ConfigError, TypeError, ValueError, AttributeError) as exc:
                 self.fail("INV-9", f"{where} is malformed: {exc}", fix=fix)
+            try:
+                for name in info.slots():
+                    parse_slot_name(name)
+            except ConfigError as exc:
+                self.fail("INV-9", f"{where}: {exc}", fix=fix)
             if param not in state:
                 continue  # a part of a split step keeps the whole step's optimizer record
-            missing = [s for s in info.slots() if s not in state]
+            # Per-parameter state travels with its parameter; the shared lr and step scalars may live in
+            # another part of a split step (the host tables' part reads them from the device part).
+            missing = [s for s in info.state.values() if s not in state]
             if missing:
                 self.fail(
                     "INV-9",
-                    f"{where} names state slots the signature lacks: {missing}",
-                    expected="every state, lr and step slot of the entry in signature.state",
+                    f"{where} names optimizer-state slots the signature lacks: {missing}",
+                    expected=f"every optimizer-state slot of {param!r} in signature.state, as {param!r} is",
                     fix="keep the optimizer slots with their parameter, or update the entry when a rewrite "
                     "renames or drops them",
                 )
