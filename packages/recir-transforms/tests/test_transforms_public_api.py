@@ -53,3 +53,18 @@ def test_transforms_public_surface_is_pinned():
     assert set(rt.__all__) == pinned
     assert set(rt.INVARIANTS) == {f"INV-{i}" for i in range(1, 10)}
     assert {"recir-cleanup-dce", "recir-cleanup-cse"} <= set(rt.registered_transforms())
+
+
+def test_transforms_shared_keys_keep_their_wire_names():
+    # Other packages use the constants; checkpoints, dumps and plans store these strings.
+    assert (rt.GRAD_OF_KEY, rt.OPTIM_PARAM_KEY, rt.OPTIMIZER_KEY) == (
+        "recir.grad_of",
+        "recir.optim_param",
+        "recir.optimizer",
+    )
+    assert (rt.PHASE_KEY, rt.SHARDING_KEY, rt.OVERRIDE_KEY) == (
+        "recir.phase",
+        "recir.sharding",
+        "recir.override",
+    )
+    assert (rt.STEP_SLOT, rt.RNG_SEED_SLOT, rt.RNG_OFFSET_SLOT) == ("optim:step", "rng:seed", "rng:offset")
