@@ -398,7 +398,7 @@ def test_capture_graph_scopes_name_the_module_of_every_phase() -> None:
     assert mm == {"fc1", "fc2", "out"}  # each forward product is its Linear's
     assert {"fc1", "fc2", "out"} <= scopes["forward"]
     # backward: the weight gradients read the modules' inputs and weights
-    grads = {n.meta[SCOPE_KEY] for n in step.graph.nodes if n.meta.get("recir.grad_of")}
+    grads = {n.meta[SCOPE_KEY] for n in step.graph.nodes if n.meta.get(GRAD_OF_KEY)}
     assert grads == {"fc1", "fc2", "out"}
     # optimizer: the parameter's module
     assert scopes["optimizer"] <= {"fc1", "fc2", "out", ""} and {"fc1", "fc2", "out"} <= scopes["optimizer"]

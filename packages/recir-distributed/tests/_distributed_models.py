@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from recir.transforms import (
+    GRAD_OF_KEY,
     OVERRIDE_KEY,
     BatchSlot,
     OutputSlot,
@@ -54,7 +55,7 @@ def trace(fn: Callable, state: dict, batch: dict, n_params: int, output_names: l
     values = list(out.args[0])
     k = len(values) - n_params
     for name, g in zip(names[:n_params], values[k:]):
-        g.meta["recir.grad_of"] = name
+        g.meta[GRAD_OF_KEY] = name
     out.args = (tuple(values[:k]),)
     gm.graph.eliminate_dead_code()
     gm.recompile()

@@ -8,7 +8,7 @@ import pytest
 import recir.distributed as rd
 import torch
 from _distributed_models import MLP_PARAMS, collective_lines, init_state, mlp_batch, mlp_step
-from recir.transforms import Pipeline, TransformResult, VerificationError, verify
+from recir.transforms import GRAD_OF_KEY, SHARDING_KEY, Pipeline, TransformResult, VerificationError, verify
 
 
 def test_allreduce_grads_snapshot():
@@ -31,7 +31,7 @@ def test_allreduce_grads_snapshot():
         r"%all_reduce_default_5 = _c10d_functional\.all_reduce\(%detach(_\d+)?, 'avg', '0'\)", lines[-3]
     )
     wait = next(n for n in result.step.graph.nodes if n.name == "wait_tensor_default_4")
-    assert wait.meta["recir.sharding"]["role"] == "gradient" and wait.meta["val"].shape == (1, 4)
+    assert wait.meta[SHARDING_KEY]["role"] == "gradient" and wait.meta["val"].shape == (1, 4)
     # the input step is left untouched
     assert "all_reduce" not in step.format_graph()
 
@@ -54,7 +54,7 @@ def test_allreduce_grads_needs_gradient_markers():
     step = mlp_step(4)
     plan = rd.plan(step, rd.DataParallel(), rd.Mesh(axes={"data": 2}))
     for node in step.graph.nodes:
-        node.meta.pop("recir.grad_of", None)
+        node.meta.pop(GRAD_OF_KEY, None)
     with pytest.raises(rd.ConfigError, match=r"no node carries 'recir.grad_of' for \['param:fc1.weight'"):
         rd.AllReduceGradients(plan=plan)(step)
     other = rd.plan(mlp_step(4), rd.DataParallel(), rd.Mesh(axes={"data": 2}))

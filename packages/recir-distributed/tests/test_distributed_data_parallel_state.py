@@ -12,6 +12,7 @@ import torch
 from _distributed_dp_workers import run_checks
 from _distributed_workers import spawn
 from recir.distributed._transforms.fold_rng_rank import GOLDEN, folded_seed_delta
+from recir.transforms import SHARDING_KEY
 
 
 def test_two_ranks_draw_independent_dropout_streams_and_share_batchnorm_statistics():
@@ -77,7 +78,7 @@ def test_sync_buffers_graph():
         name
         for name, v in zip(names, out.args[0])
         if v.target is torch.ops._c10d_functional.wait_tensor.default
-        and v.meta["recir.sharding"].get("role") == "buffer"
+        and v.meta[SHARDING_KEY].get("role") == "buffer"
     }
     assert synced == {"buffer:1.running_mean", "buffer:1.running_var"}  # not num_batches_tracked
     one = rd.plan(step, "data_parallel", rd.Mesh(axes={"data": 1}))

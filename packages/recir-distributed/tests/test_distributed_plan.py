@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import recir.distributed as rd
 from _distributed_models import emb_step, mlp_step
-from recir.transforms import SHARDING_KEY, ConfigError, DataError
+from recir.transforms import GRAD_OF_KEY, SHARDING_KEY, ConfigError, DataError
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_fsdp_plan_shards_params_and_optimizer_state():
     # the plan is also on the graph: placeholders, gradient nodes, batch
     ph = next(n for n in step.graph.nodes if n.name == "param_fc1_weight")
     assert ph.meta[SHARDING_KEY]["scheme"] == "fsdp"
-    grads = [n for n in step.graph.nodes if n.meta.get("recir.grad_of") == "param:fc1.weight"]
+    grads = [n for n in step.graph.nodes if n.meta.get(GRAD_OF_KEY) == "param:fc1.weight"]
     assert grads[0].meta[SHARDING_KEY]["role"] == "gradient"
     dense = next(n for n in step.graph.nodes if n.name == "dense")
     assert dense.meta[SHARDING_KEY] == {

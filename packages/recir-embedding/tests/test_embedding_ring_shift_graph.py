@@ -11,7 +11,7 @@ import pytest
 import torch
 from recir.embedding import ConfigError, overrides, prepare_for_lowering
 from recir.embedding._testing import DEFAULTS, build_step
-from recir.transforms import apply_overrides
+from recir.transforms import PHASE_KEY, apply_overrides
 
 pytest.importorskip("jax")
 
@@ -30,7 +30,7 @@ def test_ring_shift_marks_row_sharded_lookups(helpers):
         step, backend="ring_shift", target="tpu", row_sharded=dict.fromkeys(tables, "x")
     )
     ops = [n for n in ring.graph.nodes if n.op == "call_function" and "ring_shift" in str(n.target)]
-    lookups = [n for n in ops if n.meta["recir.phase"] == "forward"]
+    lookups = [n for n in ops if n.meta[PHASE_KEY] == "forward"]
     kinds = sorted(str(n.target) for n in lookups)
     assert kinds == ["recir.ring_shift_embedding.default"] + ["recir.ring_shift_embedding_bag.default"] * 2
     assert all(n.args[-1] == "x" for n in ops)
@@ -39,15 +39,13 @@ def test_ring_shift_marks_row_sharded_lookups(helpers):
     slots = [s.name for s in ring.signature.state]
     placeholders = [n for n in ring.graph.nodes if n.op == "placeholder"]
     updates = sorted(
-        (str(n.target), slots[placeholders.index(n.args[0])])
-        for n in ops
-        if n.meta["recir.phase"] == "optimizer"
+        (str(n.target), slots[placeholders.index(n.args[0])]) for n in ops if n.meta[PHASE_KEY] == "optimizer"
     )
     assert updates == sorted(
         (f"recir.ring_shift_{op}.default", t) for t in tables for op in ("embedding", "index_add")
     ), updates
     assert ring.meta["recir.embedding"]["row_updates"] == 2 * len(tables)
-    assert not [n for n in ops if n.meta["recir.phase"] == "backward"]
+    assert not [n for n in ops if n.meta[PHASE_KEY] == "backward"]
     assert ring.meta["recir.embedding"]["backend"] == "ring_shift"
     assert len(ring.meta["recir.embedding"]["sparsify"]["sparsified"]) == 3  # gradients stay row updates
     ref = prepare_for_lowering(step, backend="in_graph", target="tpu")

@@ -18,6 +18,7 @@ import torch
 from recir.capture import RowWiseAdagrad, capture_train_step
 from recir.capture.testing import eager_state_dict, eager_step, state_mismatches
 from recir.embedding import prepare_for_lowering
+from recir.transforms import PHASE_KEY
 from torch import nn
 
 aten = torch.ops.aten
@@ -90,7 +91,7 @@ def _dense_table_work(step) -> list[str]:
     for n in step.graph.nodes:
         if n.target == aten._embedding_bag_backward.default:
             out.append(n.name)
-        elif n.meta.get("recir.phase") == "backward" and n.target in (
+        elif n.meta.get(PHASE_KEY) == "backward" and n.target in (
             aten.index_put.default,
             aten.full.default,
         ):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from recir.embedding import ConfigError, SparsifyUpdate, dedupe, overrides
 from recir.embedding._testing import build_step
-from recir.transforms import Pipeline, VerificationError, apply_overrides, get_transform
+from recir.transforms import PHASE_KEY, Pipeline, VerificationError, apply_overrides, get_transform
 
 aten = torch.ops.aten
 
@@ -38,7 +38,7 @@ def _table_sized_optimizer_nodes(step):
     for n in step.graph.nodes:
         val = n.meta.get("val")
         is_tensor = isinstance(val, torch.Tensor)
-        if n.meta.get("recir.phase") == "optimizer" and is_tensor and tuple(val.shape) in TABLE_SHAPES:
+        if n.meta.get(PHASE_KEY) == "optimizer" and is_tensor and tuple(val.shape) in TABLE_SHAPES:
             out.append(n.target)
     return out
 
@@ -56,7 +56,7 @@ def test_registered_and_rewrites_the_graph(helpers):
         n
         for n in after.graph.nodes
         if n.target == aten.index_add.default
-        and n.meta["recir.phase"] == "backward"
+        and n.meta[PHASE_KEY] == "backward"
         and tuple(n.meta["val"].shape) in TABLE_SHAPES
     ]
     assert not dense_grads, "the dense [rows, D] gradients are gone"
@@ -127,7 +127,7 @@ class _BrokenSparsify(SparsifyUpdate):
         first = out.args[0][0]
         with step.graph.inserting_before(out):
             bad = step.graph.call_function(aten._to_copy.default, (first,), {"dtype": torch.float64})
-        bad.meta.update(val=first.meta["val"].to(torch.float64), **{"recir.phase": "optimizer"})
+        bad.meta.update(val=first.meta["val"].to(torch.float64), **{PHASE_KEY: "optimizer"})
         out.args = ((bad, *out.args[0][1:]),)
         step.graph_module.recompile()
         return res

@@ -40,16 +40,31 @@ def test_transforms_public_surface_is_pinned():
         "StepGraph", "Signature", "StateSlot", "BatchSlot", "OutputSlot", "SlotInitializer",
         "param_buffer_initializer", "format_node", "PHASE_KEY", "PHASES", "REGION_KEY", "SHARDING_KEY",
         "OVERRIDE_KEY", "PROVENANCE_KEY", "Transform", "TransformResult", "NoOptions", "register_transform",
-        "get_transform", "registered_transforms", "Region", "RegionTransform", "regions_by_phase",
+        "get_transform", "registered_transforms", "Region", "RegionTransform", "regions_by_phase", "splice",
         "regions_by_pattern", "regions_by_override", "regions_by_id", "Pipeline", "TransformRecord",
         "parse_pipeline", "parse_transform", "format_transform", "verify", "verify_level", "INVARIANTS",
         "register_graph_namespace", "format_window", "format_val", "alias_chain", "DeadCodeElimination",
         "CommonSubexpressionElimination", "MixedPrecision", "SCOPE_KEY", "RNG_MASK_KEY", "DROPOUT_KEY", "to_inference", "INFERENCE_KEY", "BatchAdapter", "adapt_batch", "register_batch_adapter", "registered_batch_adapters", "RegionTime", "region_times",
         "format_region_table", "phase_split", "PHASE_SPLIT_KEY", "Override", "register_override",
         "register_override_op", "registered_overrides", "override_for_op", "apply_overrides", "embedding_bag",
-        "embedding_bag_reference", "bag_segment_ids", "CompiledStep", "require_private_apis", "missing_private_apis", "RecIRError", "VerificationError",
+        "embedding_bag_reference", "bag_segment_ids", "CompiledStep", "GRAD_OF_KEY", "OPTIM_PARAM_KEY", "OPTIMIZER_KEY", "OptimizerInfo", "optimizer_infos", "set_optimizer_infos", "grad_of", "optim_param", "grad_nodes", "copy_graph_module", "SlotName", "parse_slot_name", "slot_path", "param_slot", "buffer_slot", "optim_slot", "lr_slot", "rng_slot", "SLOT_KINDS", "STEP_SLOT", "RNG_SEED_SLOT", "RNG_OFFSET_SLOT", "require_private_apis", "missing_private_apis", "RecIRError", "VerificationError",
         "CaptureError", "LoweringError", "ConfigError", "DataError",
     }  # fmt: skip
     assert set(rt.__all__) == pinned
-    assert set(rt.INVARIANTS) == {f"INV-{i}" for i in range(1, 8)}
+    assert set(rt.INVARIANTS) == {f"INV-{i}" for i in range(1, 10)}
     assert {"recir-cleanup-dce", "recir-cleanup-cse"} <= set(rt.registered_transforms())
+
+
+def test_transforms_shared_keys_keep_their_wire_names():
+    # Other packages use the constants; checkpoints, dumps and plans store these strings.
+    assert (rt.GRAD_OF_KEY, rt.OPTIM_PARAM_KEY, rt.OPTIMIZER_KEY) == (
+        "recir.grad_of",
+        "recir.optim_param",
+        "recir.optimizer",
+    )
+    assert (rt.PHASE_KEY, rt.SHARDING_KEY, rt.OVERRIDE_KEY) == (
+        "recir.phase",
+        "recir.sharding",
+        "recir.override",
+    )
+    assert (rt.STEP_SLOT, rt.RNG_SEED_SLOT, rt.RNG_OFFSET_SLOT) == ("optim:step", "rng:seed", "rng:offset")

@@ -9,11 +9,18 @@ import torch
 import torch.fx as fx
 from _transforms_stepgraphs import mark_phase, mlp_sgd_step, trace_step
 from recir.transforms import (
+    GRAD_OF_KEY,
+    OPTIM_PARAM_KEY,
+    OPTIMIZER_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     BatchSlot,
+    OptimizerInfo,
     VerificationError,
+    lr_slot,
+    optimizer_infos,
     register_override_op,
+    set_optimizer_infos,
     verify,
     verify_level,
 )
@@ -258,3 +265,41 @@ def test_error_message_is_readable():
         "transform: (none",
     ):
         assert part in text, (part, text)
+
+
+def test_inv8_grad_of_and_optim_param_name_param_slots_once():
+    step, _, _ = mlp_sgd_step()
+    mms = [n for n in step.graph.nodes if n.target is torch.ops.aten.mm.default]
+    mms[-1].meta[GRAD_OF_KEY] = "param:fc2.weight"
+    verify(step, level=2)  # one gradient node per param slot is the contract
+    mms[-2].meta[GRAD_OF_KEY] = "param:fc2.weight"
+    err = _broken(step, "INV-8")
+    assert f"%{mms[-1].name}" in str(err) and f"%{mms[-2].name}" in str(err)
+    del mms[-2].meta[GRAD_OF_KEY]
+    mms[0].meta[OPTIM_PARAM_KEY] = "buffer:scale"  # a buffer is no parameter
+    err = _broken(step, "INV-8")
+    assert err.node == mms[0].name and "'buffer:scale'" in str(err) and "fix:" in str(err)
+    mms[0].meta[OPTIM_PARAM_KEY] = "param:fc1.weight"
+    mms[-1].meta[GRAD_OF_KEY] = "param:nope"
+    assert "no param slot of the signature" in str(_broken(step, "INV-8"))
+
+
+def test_inv9_optimizer_meta_names_the_signatures_slots():
+    step, _, _ = mlp_sgd_step()
+    momentum = {"momentum_buffer": "optim:fc1.weight:momentum_buffer"}
+    good = OptimizerInfo("sgd", 0, {"momentum": 0.9}, momentum, lr_slot="optim:fc1.bias:momentum_buffer")
+    set_optimizer_infos(step, {"param:fc1.weight": good, "param:gone": good})  # a split part keeps others'
+    verify(step, level=2)
+    assert optimizer_infos(step)["param:fc1.weight"] == good
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["lr_slot"] = lr_slot(0)  # shared scalars may live elsewhere
+    verify(step, level=2)
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["state"]["sum"] = "optim:fc1.weight:sum"
+    err = _broken(step, "INV-9")
+    assert "'optim:fc1.weight:sum'" in str(err) and "param:fc1.weight" in str(err)
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["state"] = momentum
+    step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["lr_slot"] = "lr"
+    assert "not of the grammar" in str(_broken(step, "INV-9"))
+    del step.meta[OPTIMIZER_KEY]["param:fc1.weight"]["kind"]
+    assert "malformed" in str(_broken(step, "INV-9"))
+    step.meta[OPTIMIZER_KEY] = {"fc1.weight": good.to_meta()}
+    assert "no param:<path> slot name" in str(_broken(step, "INV-9"))

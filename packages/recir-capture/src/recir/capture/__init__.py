@@ -1,5 +1,7 @@
 """recir.capture: Capture a whole PyTorch training step (forward, backward, optimizer) as one functional StepGraph."""
 
+from recir.transforms import GRAD_OF_KEY as GRAD_OF_KEY  # defined in recir.transforms
+from recir.transforms import OPTIM_PARAM_KEY as OPTIM_PARAM_KEY
 from recir.transforms import CaptureError as CaptureError
 
 from . import testing as testing
@@ -16,8 +18,6 @@ from ._lr import LR_SLOTS_META as LR_SLOTS_META
 from ._lr import learning_rates as learning_rates
 from ._lr import set_learning_rate as set_learning_rate
 from ._lr import sync_learning_rates as sync_learning_rates
-from ._postprocess import GRAD_OF_KEY as GRAD_OF_KEY
-from ._postprocess import OPTIM_PARAM_KEY as OPTIM_PARAM_KEY
 from ._rowwise_adagrad import RowWiseAdagrad as RowWiseAdagrad
 
 __version__ = "0.1.0"

@@ -15,6 +15,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from recir.transforms import (
+    GRAD_OF_KEY,
+    OPTIMIZER_KEY,
+    RNG_OFFSET_SLOT,
+    RNG_SEED_SLOT,
+    STEP_SLOT,
     CaptureError,
     Override,
     Signature,
@@ -22,6 +27,10 @@ from recir.transforms import (
     StateSlot,
     StepGraph,
     adapt_batch,
+    buffer_slot,
+    lr_slot,
+    optim_slot,
+    param_slot,
     verify,
 )
 from torch import nn
@@ -38,21 +47,11 @@ from ._lr import LR_SLOTS_META
 from ._model_copy import bind_tensors, prepare_model
 from ._optim_map import all_param_groups, group_learning_rates, optimizer_specs
 from ._rng import step_key
-from ._slots import (
-    RNG_OFFSET_SLOT,
-    RNG_SEED_SLOT,
-    STEP_SLOT,
-    OptimizerStateInitializer,
-    batch_slots,
-    lr_slot,
-    optim_slot,
-    slot_devices,
-    state_slots,
-)
+from ._slots import OptimizerStateInitializer, batch_slots, slot_devices, state_slots
 from ._trace_context import CaptureFunctionMode, TraceContext, track_modules
 from ._trace_step import Recorder, check_inputs_unmutated, node_of, split_loss, trace
 
-OPTIMIZER_META = "recir.optimizer"
+OPTIMIZER_META = OPTIMIZER_KEY  # its old name here
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -115,10 +114,10 @@ def capture_train_step(
                 lambda: step_key(st[index[RNG_SEED_SLOT]], st[index[RNG_OFFSET_SLOT]]),
             )
             ctx.graph = graph
-            p_in = {n: st[index[f"param:{n}"]] for n, _ in params}
+            p_in = {n: st[index[param_slot(n)]] for n, _ in params}
             for n, _, _ in trainable:
                 p_in[n].requires_grad_(True)
-            b_in = {n: st[index[f"buffer:{n}"]] for n, _ in buffers}
+            b_in = {n: st[index[buffer_slot(n)]] for n, _ in buffers}
             by_id = {id(p): p_in[n] for n, p in params} | {id(b): b_in[n] for n, b in buffers}
 
             # forward: the user's loss_fn on the structural copy, bound to the traced tensors
@@ -134,7 +133,7 @@ def capture_train_step(
             check_inputs_unmutated(st, bt, slots, bslots)
             out = list(st)
             for n, b in b_in.items():
-                out[index[f"buffer:{n}"]] = from_fun(b)  # buffers written in forward become new state
+                out[index[buffer_slot(n)]] = from_fun(b)  # buffers written in forward become new state
             loss = loss.reshape(()) if loss.dim() != 0 else loss
 
             # backward
@@ -214,10 +213,10 @@ def _optimizer_phase(
         new_p, new_state = apply_update(
             spec, p_in[name].detach(), grad, state, lr, step, scalars[(spec.group, p.dtype)]
         )
-        out[index[f"param:{name}"]] = new_p
+        out[index[param_slot(name)]] = new_p
         for k, v in new_state.items():
             out[index[optim_slot(name, k)]] = v
-        rec.param_ranges.append((f"param:{name}", start, len(graph.nodes)))
+        rec.param_ranges.append((param_slot(name), start, len(graph.nodes)))
     out[index[RNG_OFFSET_SLOT]] = st[index[RNG_OFFSET_SLOT]] + 1
 
 
@@ -238,7 +237,7 @@ def _distinct_grad_nodes(
                 node = node_of(grad)
             if node is not None:
                 claimed.add(node)
-                rec.grad_nodes[f"param:{name}"] = node
+                rec.grad_nodes[param_slot(name)] = node
         out.append(grad)
     return out
 
@@ -254,7 +253,7 @@ def _finish_graph(
     post.tag_rng_masks(graph, rec.ctx.mask_marks, rec.ctx.dropout_marks)
     for slot, node in rec.grad_nodes.items():
         if node is not None:
-            node.meta[post.GRAD_OF_KEY] = slot
+            node.meta[GRAD_OF_KEY] = slot
     post.drop_identity_nodes(graph)
     post.inline_scalar_constants(gm)
     post.check_graph(graph, gm)
@@ -291,7 +290,7 @@ def _optimizer_meta(
     names = {s.name for s in slots}
     meta = {}
     for name, _, spec in trainable:
-        meta[f"param:{name}"] = {
+        meta[param_slot(name)] = {
             "kind": spec.kind,
             "group": spec.group,
             "hparams": dict(spec.hparams),

@@ -13,16 +13,16 @@ import torch
 import torch.fx as fx
 from recir.transforms import (
     DROPOUT_KEY,
+    OPTIM_PARAM_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     RNG_MASK_KEY,
     SCOPE_KEY,
     CaptureError,
     override_for_op,
+    parse_slot_name,
+    slot_path,
 )
-
-GRAD_OF_KEY = "recir.grad_of"
-OPTIM_PARAM_KEY = "recir.optim_param"
 
 _DROP = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
 
@@ -47,7 +47,7 @@ def tag_phases(graph: fx.Graph, marks: dict[str, int], param_ranges: Sequence[tu
 
 def _module_of(slot: str) -> str:
     """``param:layers.0.uvqk.weight`` -> ``layers.0.uvqk`` (the module that owns the tensor)."""
-    return slot.split(":", 1)[-1].rpartition(".")[0]
+    return str(slot_path(slot)).rpartition(".")[0]
 
 
 def tag_rng_masks(
@@ -89,7 +89,7 @@ def tag_scopes(
             scopes[node] = current
     placeholders = [n for n in nodes if n.op == "placeholder"]
     for node, slot in zip(placeholders, state_names):  # the state slots come first
-        if slot.startswith(("param:", "buffer:")):
+        if parse_slot_name(slot).kind in ("param", "buffer"):
             scopes[node] = _module_of(slot)
     # optimizer: the parameter's module
     for node in nodes[backward_start:]:

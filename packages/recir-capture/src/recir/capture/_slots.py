@@ -10,23 +10,23 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from recir.transforms import BatchSlot, CaptureError, StateSlot
+from recir.transforms import (
+    RNG_OFFSET_SLOT,
+    RNG_SEED_SLOT,
+    STEP_SLOT,
+    BatchSlot,
+    CaptureError,
+    StateSlot,
+    buffer_slot,
+    lr_slot,
+    optim_slot,
+    param_slot,
+    parse_slot_name,
+)
 from torch import nn
 
 from ._functional_optim import ParamOptim, state_shape
 from ._optim_map import as_optimizer_list
-
-STEP_SLOT = "optim:step"
-RNG_SEED_SLOT = "rng:seed"
-RNG_OFFSET_SLOT = "rng:offset"
-
-
-def lr_slot(group: int) -> str:
-    return f"optim:group{group}:lr"
-
-
-def optim_slot(param_name: str, key: str) -> str:
-    return f"optim:{param_name}:{key}"
 
 
 def _key_name(k: Any) -> str:
@@ -89,8 +89,8 @@ def slot_devices(
     model: nn.Module, slots: list[StateSlot], trainable: list[tuple[str, nn.Parameter, ParamOptim]]
 ) -> list[torch.device]:
     """The device of each state slot: its tensor's (params, buffers, per-parameter optimizer state), else main."""
-    by_name = {f"param:{n}": p.device for n, p in model.named_parameters()}
-    by_name |= {f"buffer:{n}": b.device for n, b in model.named_buffers()}
+    by_name = {param_slot(n): p.device for n, p in model.named_parameters()}
+    by_name |= {buffer_slot(n): b.device for n, b in model.named_buffers()}
     for n, p, spec in trainable:
         by_name |= {optim_slot(n, k): p.device for k in spec.state_keys}
     main = main_device(model)
@@ -103,8 +103,8 @@ def state_slots(
     trainable: list[tuple[str, nn.Parameter, ParamOptim]],
     num_groups: int,
 ) -> list[StateSlot]:
-    slots = [StateSlot(f"param:{n}", "param", tuple(p.shape), p.dtype) for n, p in params]
-    slots += [StateSlot(f"buffer:{n}", "buffer", tuple(b.shape), b.dtype) for n, b in buffers]
+    slots = [StateSlot(param_slot(n), "param", tuple(p.shape), p.dtype) for n, p in params]
+    slots += [StateSlot(buffer_slot(n), "buffer", tuple(b.shape), b.dtype) for n, b in buffers]
     for name, p, spec in trainable:
         for key in spec.state_keys:
             shape = state_shape(spec.kind, key, tuple(p.shape))
@@ -139,15 +139,18 @@ class OptimizerStateInitializer:
             return torch.zeros((), dtype=torch.int64, device=device)
         if not name.startswith("optim:"):
             return None
-        if name == STEP_SLOT:
+        parsed = parse_slot_name(name)
+        if parsed.is_step:
             return torch.tensor(_read_step(optimizers), dtype=torch.float32, device=device)
-        if name.startswith("optim:group") and name.endswith(":lr"):
-            i = int(name[len("optim:group") : -len(":lr")])
+        if parsed.group is not None:
+            i = parsed.group
             lr = self.lrs[i]
             if i < len(groups):
                 lr = float(groups[i]["lr"])
             return torch.tensor(lr, dtype=torch.float32, device=device)
-        param_name, key = name[len("optim:") :].rsplit(":", 1)
+        if parsed.path is None or parsed.key is None:
+            return None
+        param_name, key = parsed.path, parsed.key
         spec = self.specs.get(param_name)
         if spec is None:
             return None

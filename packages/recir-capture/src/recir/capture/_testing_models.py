@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from recir.transforms import STEP_SLOT, buffer_slot, grad_of, lr_slot, optim_slot, param_slot
 from torch import Tensor, nn
 
 from ._embedding_bag_override import EmbeddingBagOverride
@@ -200,18 +201,18 @@ def eager_step(model: nn.Module, optimizer: Any, loss_fn: Callable[..., Any], ba
 
 def eager_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Tensor]:
     """The eager model and optimizer(s) as a StepGraph-style name -> tensor mapping (step as float32)."""
-    out: dict[str, Tensor] = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
-    out |= {f"buffer:{n}": b for n, b in model.named_buffers()}
+    out: dict[str, Tensor] = {param_slot(n): p.detach() for n, p in model.named_parameters()}
+    out |= {buffer_slot(n): b for n, b in model.named_buffers()}
     names = {id(p): n for n, p in model.named_parameters()}
     for opt in as_optimizer_list(optimizer):
         for p, st in opt.state.items():
             for k, v in st.items():
                 if k == "step":
-                    out["optim:step"] = torch.as_tensor(v, dtype=torch.float32)
+                    out[STEP_SLOT] = torch.as_tensor(v, dtype=torch.float32)
                 elif isinstance(v, Tensor):
-                    out[f"optim:{names[id(p)]}:{k}"] = v
+                    out[optim_slot(names[id(p)], k)] = v
     for i, g in enumerate(all_param_groups(optimizer)):
-        out[f"optim:group{i}:lr"] = torch.tensor(float(g["lr"]))
+        out[lr_slot(i)] = torch.tensor(float(g["lr"]))
     return out
 
 
@@ -244,7 +245,7 @@ def captured_gradients(step: Any, state: Any, batch: Any) -> dict[str, Tensor]:
     class _Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             value = super().run_node(n)
-            slot = n.meta.get("recir.grad_of")
+            slot = grad_of(n)
             if slot is not None:
                 grads[slot] = value.detach().clone()
             return value
@@ -261,4 +262,4 @@ def eager_gradients(model: nn.Module, loss_fn: Callable[..., Any], batch: Any) -
     result = loss_fn(model, batch)
     loss = result[0] if isinstance(result, (tuple, list)) else result
     loss.backward()
-    return {f"param:{n}": p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {param_slot(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

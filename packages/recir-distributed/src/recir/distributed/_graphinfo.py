@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from recir.transforms import ConfigError, StateSlot, StepGraph
-
-GRAD_OF_KEY = "recir.grad_of"
-OPTIM_PARAM_KEY = "recir.optim_param"
+from recir.transforms import GRAD_OF_KEY, ConfigError, StateSlot, StepGraph, grad_nodes, slot_path
 
 
 def lookup_ops() -> tuple[object, ...]:
@@ -82,20 +79,10 @@ def lookups_of(step: StepGraph, slot: str) -> list[fx.Node]:
     ]
 
 
-def grad_nodes(step: StepGraph) -> dict[str, fx.Node]:
-    """Param slot -> the node holding its final gradient (``recir.grad_of``)."""
-    out: dict[str, fx.Node] = {}
-    for node in step.graph.nodes:
-        slot = node.meta.get(GRAD_OF_KEY)
-        if slot is not None:
-            out[str(slot)] = node
-    return out
-
-
 def optim_slots_of(step: StepGraph, param: str) -> list[StateSlot]:
     """Optimizer slots of ``param:<path>``: every ``optim:<path>:<key>`` slot."""
-    path = param.removeprefix("param:")
-    return [s for s in step.signature.state if s.kind == "optim" and s.name.startswith(f"optim:{path}:")]
+    path = slot_path(param)
+    return [s for s in step.signature.state if s.kind == "optim" and slot_path(s.name) == path]
 
 
 def require_grads(step: StepGraph, params: list[str], what: str) -> dict[str, fx.Node]:
@@ -105,6 +92,6 @@ def require_grads(step: StepGraph, params: list[str], what: str) -> dict[str, fx
         raise ConfigError(
             f"{what}: no node carries {GRAD_OF_KEY!r} for {missing[:4]}{'...' if len(missing) > 4 else ''}. "
             "Fix: capture the step with recir.capture.capture_train_step, which marks each parameter's "
-            "final gradient node, or set node.meta['recir.grad_of'] = '<param slot>' by hand."
+            f"final gradient node, or set node.meta[{GRAD_OF_KEY!r}] = '<param slot>' by hand."
         )
     return grads

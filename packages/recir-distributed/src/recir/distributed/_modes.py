@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recir.transforms import ConfigError
+from recir.transforms import ConfigError, parse_slot_name
 
 Scheme = Literal["table_wise", "row_wise", "column_wise"]
 SCHEMES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise")
@@ -51,7 +51,8 @@ class EmbeddingSharding:
     def covers(self, slot: str) -> bool:
         if self.tables is None:
             return True
-        return slot in self.tables or slot.removeprefix("param:") in self.tables
+        name = parse_slot_name(slot)
+        return slot in self.tables or (name.kind == "param" and name.path in self.tables)
 
 
 def table_wise(*tables: str, owners: Mapping[str, int] | None = None) -> EmbeddingSharding:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import ConfigError, StateSlot
+from recir.transforms import ConfigError, StateSlot, parse_slot_name
 
 from ._mesh import Mesh
 
@@ -98,7 +98,7 @@ class ShardingPlan:
         for rank in range(self.world_size):
             total = 0
             for slot in self.slots:
-                if kinds is None or slot.split(":", 1)[0] in kinds:
+                if kinds is None or parse_slot_name(slot).kind in kinds:
                     total += self.slot_bytes(slot, rank)
             out.append(total)
         return out

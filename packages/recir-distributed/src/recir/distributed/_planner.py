@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from recir.transforms import SHARDING_KEY, ConfigError, StepGraph
+from recir.transforms import SHARDING_KEY, ConfigError, StepGraph, slot_path
 
 from ._graphinfo import (
     batch_placeholders,
@@ -215,7 +215,7 @@ def _place_tables(mode, tables, shapes, dtypes, n, axis, assign, explanation) ->
         if sharding is None:
             explanation.append(f"{table}: replicated (no table sharding covers it)")
             continue
-        owner = sharding.owners.get(table, sharding.owners.get(table.removeprefix("param:"), -1))
+        owner = sharding.owners.get(table, sharding.owners.get(str(slot_path(table)), -1))
         if sharding.scheme == "table_wise" and owner < 0:
             owner = min(range(n), key=lambda r: load[r])
         if sharding.scheme == "table_wise":
@@ -233,7 +233,7 @@ def _auto(step, tables, shapes, dtypes, n, axis, budget, assign, explanation) ->
         _table_bytes(s.name, shapes, dtypes, [])
         for s in step.signature.state
         if s.name not in tables
-        and not any(s.name.startswith(f"optim:{t.removeprefix('param:')}:") for t in tables)
+        and not any(s.kind == "optim" and slot_path(s.name) == slot_path(t) for t in tables)
     )
     load = [dense] * n
     limit = budget if budget is not None else math.inf

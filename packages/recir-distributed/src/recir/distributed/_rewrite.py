@@ -1,4 +1,4 @@
-"""Graph-editing helpers the collective-inserting transforms share: copying a step, inserting a
+"""Graph-editing helpers the collective-inserting transforms share: inserting a
 functional collective with its ``wait_tensor``, and recomputing every ``val`` for per-device shapes.
 """
 
@@ -20,16 +20,6 @@ COLLECTIVES = (
     C10D.all_gather_into_tensor.default,
     C10D.all_to_all_single.default,
 )
-
-
-def copy_step(step: StepGraph) -> StepGraph:
-    """A copy of ``step`` with its own graph (node metadata copied shallowly), so rewrites leave it intact."""
-    graph = fx.Graph()
-    val_map: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(step.graph, val_map)
-    graph.output(out)
-    gm = fx.GraphModule(step.graph_module, graph)
-    return step.replace(graph_module=gm)
 
 
 def collective(

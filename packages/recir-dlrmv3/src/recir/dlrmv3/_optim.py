@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import torch
-from recir.transforms import ConfigError
+from recir.transforms import STEP_SLOT, ConfigError, optim_slot, parse_slot_name
 from torch import nn
 
 from ._config import OPTIMIZERS
@@ -74,7 +74,7 @@ def optimizer_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -
         for p, st in opt.state.items():
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim:{names[id(p)]}:{key}"] = value
+                    out[optim_slot(names[id(p)], key)] = value
     return out
 
 
@@ -92,15 +92,16 @@ def load_optimizer_state(
                         for p in g["params"]:
                             opt.state[p]["step"] = value.detach().clone().reshape(())
                 continue
-            if not name.startswith("optim:") or name.count(":") < 2:
+            slot = parse_slot_name(name) if name.startswith("optim:") else None
+            if slot is None or slot.path is None or slot.key is None:
                 continue
-            pname, key = name[len("optim:") :].rsplit(":", 1)
+            pname, key = slot.path, slot.key
             p = params.get(pname)
             if p is not None and id(p) in owned:
                 opt.state[p][key] = value.clone()
 
 
-SHARED_STEP = "optim:step"
+SHARED_STEP = STEP_SLOT
 
 
 def with_shared_step(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,7 +110,7 @@ def with_shared_step(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     out = dict(state)
     if SHARED_STEP not in out:
         for name, value in state.items():
-            if name.startswith("optim:") and name.endswith(":step"):
+            if is_parameter_step(name):
                 out[SHARED_STEP] = value
                 break
     return out
@@ -120,7 +121,10 @@ _T = TypeVar("_T")
 
 def is_parameter_step(name: str) -> bool:
     """Whether `name` is an eager optimizer's per-parameter step count (`optim:<param>:step`)."""
-    return name.startswith("optim:") and name.endswith(":step") and name != SHARED_STEP
+    if not name.startswith("optim:"):
+        return False
+    slot = parse_slot_name(name)
+    return slot.path is not None and slot.key == "step"
 
 
 def shared_step_layout(state: Mapping[str, _T], agree: Callable[[_T, _T], bool]) -> dict[str, _T]:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from recir.transforms import lr_slot
 
 from ._logs import log_info
 from ._optim import shared_step_layout
@@ -66,7 +67,7 @@ def eager_layout(
     out = shared_step_layout(state, lambda a, b: bool(torch.equal(a, b)))
     groups = [g for opt in optimizers for g in opt.param_groups]
     for i, group in enumerate(groups):
-        out[f"optim:group{i}:lr"] = torch.tensor(float(group["lr"]))
+        out[lr_slot(i)] = torch.tensor(float(group["lr"]))
     return out
 
 

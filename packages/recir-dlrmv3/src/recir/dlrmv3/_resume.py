@@ -6,13 +6,12 @@ to do; a resumed checkpoint must match its checksums, the run's configuration an
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import ConfigError, DataError
+from recir.transforms import ConfigError, DataError, optim_slot, parse_slot_name
 
 from ._checkpoint import resolve_checkpoint
 from ._optim import SHARED_STEP, shared_step_layout
@@ -190,7 +189,7 @@ def _compare_layout(slots: dict[str, Any]) -> dict[str, Any]:
     """Slots as a resume compares them: eager's per-parameter steps are the captured step's shared one,
     and the captured step's per-group learning rates are left out (--lr / --sparse_lr are compared)."""
     out = shared_step_layout(slots, lambda a, b: a == b)
-    return {k: v for k, v in out.items() if not fnmatch.fnmatchcase(k, "optim:group*:lr")}
+    return {k: v for k, v in out.items() if not (k.startswith("optim:") and parse_slot_name(k).is_lr)}
 
 
 def run_slots(trainer: Trainer) -> dict[str, Any]:
@@ -226,7 +225,7 @@ def _lazy_optimizer_slots(model: torch.nn.Module, optimizers: list[torch.optim.O
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     dtype = str(value.dtype).removeprefix("torch.")
-                    out[f"optim:{twin_names[id(t)]}:{key}"] = (tuple(value.shape), dtype)
+                    out[optim_slot(twin_names[id(t)], key)] = (tuple(value.shape), dtype)
     return out
 
 

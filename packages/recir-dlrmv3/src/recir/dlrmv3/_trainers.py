@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-from recir.transforms import ConfigError
+from recir.transforms import ConfigError, buffer_slot, param_slot
 
 from ._batch import Batch
 from ._config import EMBEDDING_BACKENDS, PRECISIONS, TARGETS
@@ -76,8 +76,8 @@ class EagerTrainer:
         return loss.detach(), logits.detach()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {f"param:{n}": p.detach() for n, p in self.model.named_parameters()}
-        state.update({f"buffer:{n}": b for n, b in self.model.named_buffers()})
+        state = {param_slot(n): p.detach() for n, p in self.model.named_parameters()}
+        state.update({buffer_slot(n): b for n, b in self.model.named_buffers()})
         state.update(optimizer_state(self.model, self.optimizers))
         state[_RNG] = torch.get_rng_state()
         return {k: v.cpu() for k, v in state.items()} if self.device.type != "cpu" else state
@@ -95,10 +95,10 @@ class EagerTrainer:
 def load_slots_into_model(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
     """Copies `param:*` / `buffer:*` slots into the model's tensors (names must match)."""
     with torch.no_grad():
-        for prefix, named in (("param:", model.named_parameters()), ("buffer:", model.named_buffers())):
+        for slot_of, named in ((param_slot, model.named_parameters()), (buffer_slot, model.named_buffers())):
             for name, t in named:
-                if prefix + name in state:
-                    t.copy_(torch.as_tensor(state[prefix + name]).to(t.dtype))
+                if slot_of(name) in state:
+                    t.copy_(torch.as_tensor(state[slot_of(name)]).to(t.dtype))
 
 
 def engine(target: str) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from recir.transforms import (
+    OPTIMIZER_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     REGION_KEY,
@@ -25,12 +26,12 @@ from recir.transforms import (
     TransformResult,
     embedding_bag_reference,
     register_transform,
+    splice,
 )
 
 from . import _ops
 from . import _ring_shift as _ring_shift  # registers the recir::ring_shift_* ops
 from ._checks import checks_enabled
-from ._graph import splice
 from ._transforms.sparsify_update import SparsifyUpdate
 from ._transforms.split_host import HOST_LOOKUP, SplitHostEmbeddings
 
@@ -62,10 +63,7 @@ def default_backend(target: str, device: Any = None) -> str:
 
 
 def _copy(step: StepGraph) -> StepGraph:
-    graph = fx.Graph()
-    out = graph.graph_copy(step.graph, {})
-    graph.output(out)
-    return step.replace(graph_module=fx.GraphModule(step.graph_module, graph))
+    return step.copy()
 
 
 def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, str] | None) -> None:
@@ -317,7 +315,7 @@ def embedding_transforms(
     (when asked and the step has a captured optimizer), the host split's marking (``host_tables``, and
     always for ``backend="cpu"``), then the backend's kernels for the other lookups."""
     out: list[Transform] = []
-    if sparse_updates and "recir.optimizer" in step.meta:
+    if sparse_updates and OPTIMIZER_KEY in step.meta:
         out.append(SparsifyUpdate())
     if backend == "cpu" or host_tables is not False:
         only = None if isinstance(host_tables, bool) else tuple(host_tables)
@@ -396,7 +394,7 @@ def prepare_for_lowering(
     """
     name = resolve_backend(backend, target, device, row_sharded)
     keep = keep_checks if keep_checks is not None else target == "gpu" and checks_enabled()
-    if not sparse_updates and "recir.optimizer" in step.meta:
+    if not sparse_updates and OPTIMIZER_KEY in step.meta:
         log.info("recir.embedding: sparse_updates=False: every embedding table keeps its dense update")
     transforms = embedding_transforms(
         step,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from recir.transforms import ConfigError, StepGraph
+from recir.transforms import ConfigError, StepGraph, optimizer_infos
 from torch import Tensor
 
 from ._transforms.split_host import HOST_SPLIT_KEY, HostSplit
@@ -67,7 +67,7 @@ def fused_tbe_tables(step: StepGraph) -> tuple[list[str], dict[str, str]]:
             "fused_tbe_tables: run SplitHostEmbeddings first (prepare_for_lowering(host_tables=True))"
         )
     reasons: dict[str, str] = dict(info["skipped"])
-    optim = step.meta.get("recir.optimizer", {})
+    optim = optimizer_infos(step)
     by_name = {n.name: n for n in step.graph.nodes}
     names = step.signature.state_names()
     per_table: dict[str, list[fx.Node]] = {}
@@ -75,8 +75,8 @@ def fused_tbe_tables(step: StepGraph) -> tuple[list[str], dict[str, str]]:
         per_table.setdefault(table, []).append(by_name[name])
     fused = []
     for table in info["tables"]:
-        spec = optim.get(table, {})
-        why = _why_not_fused(spec.get("kind"), dict(spec.get("hparams", {})))
+        spec = optim.get(table)
+        why = _why_not_fused(spec.kind if spec else None, dict(spec.hparams) if spec else {})
         dtype = step.signature.state[names.index(table)].dtype
         lookups = per_table.get(table, [])
         shapes = {_pooling(n) for n in lookups}
@@ -159,7 +159,7 @@ class FusedTBE:
         self.device = torch.device(device)
         step = split.step
         names = step.signature.state_names()
-        optim = step.meta["recir.optimizer"]
+        optim = optimizer_infos(step)
         lookup_out = list(split.lookup.graph.output_node().args[0])[len(split.host_slots) :]
         self._modes = [_pooling(n) for n in lookup_out]
         self._args = _args_module(split.lookup, lookup_out)
@@ -173,11 +173,11 @@ class FusedTBE:
                 )
             pooled = self._modes[feats[0]]
             dim = step.signature.state[names.index(table)].shape[1]
-            hp = tuple(sorted((k, repr(v)) for k, v in spec["hparams"].items()))
+            hp = tuple(sorted((k, repr(v)) for k, v in spec.hparams.items()))
             # pooled features of one TBE share the batch size; unpooled ones (one bag each) the row width
             first = lookup_out[feats[0]]
             shape = dim if pooled == NONE_POOLING else first.args[2].meta["val"].shape[0]
-            key = (spec["kind"], hp, spec["lr_slot"], pooled, shape)
+            key = (spec.kind, hp, spec.lr_slot, pooled, shape)
             keys.setdefault(key, []).append(table)
         on_cuda = self.device.type == "cuda"
         where = (
@@ -187,7 +187,7 @@ class FusedTBE:
         )
         self.groups: list[_Group] = []
         for (kind, _, lr_slot, pooled, _), tables in keys.items():
-            hp = optim[tables[0]]["hparams"]
+            hparams = optim[tables[0]].hparams
             shapes = [step.signature.state[names.index(t)].shape for t in tables]
             features = [k for t in tables for k, lt in enumerate(split.lookup_tables) if lt == t]
             with _quiet_tbe_construction():
@@ -196,8 +196,8 @@ class FusedTBE:
                     feature_table_map=[tables.index(split.lookup_tables[k]) for k in features],
                     optimizer=getattr(EmbOptimType, FUSED_OPTIMIZERS[kind]),
                     pooling_mode=PoolingMode(pooled),
-                    learning_rate=float(hp.get("lr", 0.01)),
-                    eps=float(hp.get("eps", 1e-8)),
+                    learning_rate=float(hparams.get("lr", 0.01)),
+                    eps=float(hparams.get("eps", 1e-8)),
                     weights_precision=SparseType.FP32,
                     output_dtype=SparseType.FP32,
                     device=self.device if on_cuda else None,
@@ -226,7 +226,7 @@ class FusedTBE:
         log.info(
             "recir.embedding: FBGEMM TBE with fused backward + optimizer on %s: %s",
             self.device,
-            "; ".join(f"{FUSED_OPTIMIZERS[optim[g.tables[0]]['kind']]} over {g.tables}" for g in self.groups),
+            "; ".join(f"{FUSED_OPTIMIZERS[optim[g.tables[0]].kind]} over {g.tables}" for g in self.groups),
         )
 
     def views(self) -> list[Tensor]:

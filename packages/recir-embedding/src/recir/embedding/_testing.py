@@ -12,19 +12,27 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from recir.transforms import (
+    GRAD_OF_KEY,
+    OPTIM_PARAM_KEY,
+    OPTIMIZER_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
+    STEP_SLOT,
     BatchSlot,
     OutputSlot,
     Signature,
     StateSlot,
     StepGraph,
+    lr_slot,
+    optim_slot,
     override_for_op,
+    param_slot,
 )
 from torch import Tensor, nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+LR_SLOT = lr_slot(0)  # one param group
 DEFAULTS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 0.1},
     "adagrad": {"lr": 0.1, "eps": 1e-10},
@@ -83,24 +91,24 @@ def build_step(
     """Trace ``loss_fn(model, batch)``, its gradients and a ``kind`` optimizer update into a StepGraph."""
     hp = {**DEFAULTS[kind], **(hparams or {})}
     params = dict(model.named_parameters())
-    slots = [StateSlot(f"param:{n}", "param", tuple(p.shape), p.dtype) for n, p in params.items()]
+    slots = [StateSlot(param_slot(n), "param", tuple(p.shape), p.dtype) for n, p in params.items()]
     optim_meta: dict[str, Any] = {}
     for n, p in params.items():
         state = {}
         for key in STATE_KEYS[kind]:
             shape = (p.shape[0],) if kind == "rowwise_adagrad" else tuple(p.shape)
-            slots.append(StateSlot(f"optim:{n}:{key}", "optim", shape, p.dtype))
-            state[key] = f"optim:{n}:{key}"
-        optim_meta[f"param:{n}"] = {
+            slots.append(StateSlot(optim_slot(n, key), "optim", shape, p.dtype))
+            state[key] = optim_slot(n, key)
+        optim_meta[param_slot(n)] = {
             "kind": kind,
             "group": 0,
             "hparams": dict(hp),
             "state": state,
-            "lr_slot": "optim:lr",
-            "step_slot": "optim:step" if kind.startswith("adam") else None,
+            "lr_slot": LR_SLOT,
+            "step_slot": STEP_SLOT if kind.startswith("adam") else None,
         }
-    slots.append(StateSlot("optim:lr", "optim", (), torch.float32))
-    slots.append(StateSlot("optim:step", "optim", (), torch.float32))
+    slots.append(StateSlot(LR_SLOT, "optim", (), torch.float32))
+    slots.append(StateSlot(STEP_SLOT, "optim", (), torch.float32))
     leaves, spec = pytree.tree_flatten(batch)
     names = [s.name for s in slots]
     n_state = len(slots)
@@ -111,26 +119,26 @@ def build_step(
         b = pytree.tree_unflatten(list(flat[n_state:]), spec)
         marks["forward"] = _count()
         with torch.enable_grad():
-            live = {n: st[f"param:{n}"].detach().requires_grad_() for n in params}
+            live = {n: st[param_slot(n)].detach().requires_grad_() for n in params}
             with _reparametrize_module(model, live):
                 loss = loss_fn(model, b)
             marks["backward"] = _count()
             grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, live.values())]
         for n, g in zip(params, grads):
-            _node(g).meta["recir.grad_of"] = f"param:{n}"
+            _node(g).meta[GRAD_OF_KEY] = param_slot(n)
         marks["optimizer"] = _count()
         new = dict(st)
-        lr, step = st["optim:lr"], st["optim:step"] + 1
-        new["optim:step"] = step
+        lr, step = st[LR_SLOT], st[STEP_SLOT] + 1
+        new[STEP_SLOT] = step
         ranges = {}
         for n, g in zip(params, grads):
             start = _count()
-            skeys = [f"optim:{n}:{k}" for k in STATE_KEYS[kind]]
-            p_new, s_new = dense_update(kind, hp, st[f"param:{n}"], g, [st[k] for k in skeys], lr, step)
-            new[f"param:{n}"] = p_new
+            skeys = [optim_slot(n, k) for k in STATE_KEYS[kind]]
+            p_new, s_new = dense_update(kind, hp, st[param_slot(n)], g, [st[k] for k in skeys], lr, step)
+            new[param_slot(n)] = p_new
             new.update(zip(skeys, s_new))
-            ranges[f"param:{n}"] = (start, _count())
+            ranges[param_slot(n)] = (start, _count())
         marks["ranges"] = ranges
         out = [new[k] if new[k] is not st[k] else new[k].clone() for k in names]
         return (*out, loss.detach())
@@ -153,7 +161,7 @@ def build_step(
             node.meta[OVERRIDE_KEY] = override_for_op(node.target)
         for slot, (a, z) in marks["ranges"].items():
             if a <= i < z:
-                node.meta["recir.optim_param"] = slot
+                node.meta[OPTIM_PARAM_KEY] = slot
     gm.graph.eliminate_dead_code()
     gm.recompile()
     sig = Signature(
@@ -164,10 +172,10 @@ def build_step(
     )
 
     def init(slot: StateSlot, model: nn.Module, optimizer: Any) -> Tensor | None:
-        if slot.name == "optim:lr":
+        if slot.name == LR_SLOT:
             return torch.tensor(float(hp["lr"]))
         if slot.kind == "optim":
             return torch.zeros(slot.shape, dtype=slot.dtype)
         return None
 
-    return StepGraph(gm, sig, initializers=(init,), meta={"recir.optimizer": optim_meta})
+    return StepGraph(gm, sig, initializers=(init,), meta={OPTIMIZER_KEY: optim_meta})

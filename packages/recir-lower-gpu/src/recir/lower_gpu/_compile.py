@@ -27,7 +27,6 @@ from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe
 from ._options import GPUOptions
 from ._pipeline import InPlaceEpilogue, gpu_pipeline
-from ._prepare import copy_graph_module
 from ._private_apis import check_private_apis
 from ._step import GPUCompiledStep
 
@@ -118,7 +117,7 @@ def compile(
         )
     # The lowering as code (recir.lower_gpu._pipeline.gpu_pipeline): every rewrite a Transform.
     pipeline = gpu_pipeline(step, options=options, plan=plan, device=dev, embedding_backend=embedding_backend)
-    lowered = pipeline.run(step.replace(graph_module=copy_graph_module(step.graph_module)))
+    lowered = pipeline.run(step.copy())
     ir = pipeline.verified  # the last valid StepGraph (before the in-place epilogue)
     assert ir is not None
     backend = resolve_backend(embedding_backend, "gpu", dev)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from recir.transforms import (
+    OPTIMIZER_KEY,
     ConfigError,
     Pipeline,
     StepGraph,
@@ -199,8 +200,8 @@ def _fused_tables(
     why = None
     if not options.sparse_updates:
         why = "GPUOptions(sparse_updates=False) keeps every table's dense update"
-    elif "recir.optimizer" not in step.meta:
-        why = "the step has no captured optimizer (meta 'recir.optimizer')"
+    elif OPTIMIZER_KEY not in step.meta:
+        why = f"the step has no captured optimizer (meta {OPTIMIZER_KEY!r})"
     elif plan is not None or collectives(step.graph_module):
         why = "the step is distributed (a sharding plan): the fused TBE runs single-process here"
     if why is not None:

@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from recir.transforms import OVERRIDE_KEY, PHASE_KEY, LoweringError, format_node, override_for_op
+from recir.transforms import OVERRIDE_KEY, PHASE_KEY, LoweringError, format_window, override_for_op
+from recir.transforms import (
+    copy_graph_module as copy_graph_module,  # its home; _compile and _export import it here
+)
 
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _COMPOSITE_KEYS = (
@@ -18,17 +21,6 @@ _COMPOSITE_KEYS = (
     "CompositeExplicitAutogradNonFunctional",
     "CompositeImplicitAutograd",
 )
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule with its own graph (node metadata copied shallowly, tensors shared)."""
-    graph = fx.Graph()
-    remap: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, remap)
-    graph.output(out)
-    for old, new in remap.items():
-        new.meta = dict(old.meta)
-    return fx.GraphModule(gm, graph)
 
 
 def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
@@ -51,16 +43,6 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
     if changed:
         gm.recompile()
     return changed
-
-
-def _graph_window(node: fx.Node, radius: int = 3) -> str:
-    nodes = list(node.graph.nodes)
-    i = nodes.index(node)
-    lines = []
-    for j in range(max(0, i - radius), min(len(nodes), i + radius + 1)):
-        mark = ">>" if j == i else "  "
-        lines.append(f"  {mark} {format_node(nodes[j])}")
-    return "\n".join(lines)
 
 
 @functools.cache
@@ -120,7 +102,7 @@ def check_kernels(gm: fx.GraphModule, device: torch.device) -> None:
         raise LoweringError(
             f"recir.lower_gpu: cannot lower node %{node.name} ({phase} phase): {what} has no "
             f"{dtype_name} kernel and Inductor has no lowering or decomposition for it.\n"
-            f"{_graph_window(node)}\nFix: {fix}"
+            f"{format_window(node.graph, node, radius=3)}\nFix: {fix}"
         )
 
 

@@ -27,7 +27,7 @@ from ._convert import check_state_count, jax_dtype, to_jax, to_torch
 from ._host_checks import HostCheck, host_checks_of
 from ._host_split import HostSplitCompiledStep
 from ._multihost import gather_to_every_process
-from ._pipeline import private_copy, tpu_pipeline
+from ._pipeline import tpu_pipeline
 from ._placement import Placement
 from ._private_apis import check_private_apis
 from ._sharding import placement_for
@@ -349,7 +349,7 @@ def compile(
     pipeline = tpu_pipeline(
         step, sparse_updates=options.sparse_updates, backend=name, row_sharded=row_sharded
     )
-    step = pipeline.run(private_copy(step))
+    step = pipeline.run(step.copy())
     report = embedding_report(pipeline, name, "tpu")
     step.meta["recir.embedding"] = report
     cut = next((t for t in pipeline.transforms if isinstance(t, CutHostSplit)), None)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import torch
 from jax.experimental import io_callback
-from recir.transforms import StepGraph
+from recir.transforms import StepGraph, slot_path
 
 from ._registry import register_jax_lowering
 
@@ -102,7 +102,7 @@ def host_checks_of(step: StepGraph) -> list[Any]:
                     seen.add(key)
                     rows = int(weight.meta["val"].shape[0])
                     leaf = step.signature.batch[batch_index[ids]].name
-                    checks.append(HostIdCheck(batch_index[ids], slot.removeprefix("param:"), rows, leaf))
+                    checks.append(HostIdCheck(batch_index[ids], str(slot_path(slot)), rows, leaf))
             continue
         if node.target is not torch.ops.recir.check_jagged.default:
             continue

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch.fx as fx
 from recir.transforms import Pipeline, StepGraph, Transform
 
 
@@ -42,10 +41,3 @@ def tpu_pipeline(
     if backend == "cpu":
         transforms.append(CutHostSplit())
     return Pipeline(transforms, name="recir.lower_tpu")
-
-
-def private_copy(step: StepGraph) -> StepGraph:
-    """``step`` with its own graph (the pipeline's transforms rewrite in place)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(step.graph, {}))
-    return step.replace(graph_module=fx.GraphModule(step.graph_module, graph))

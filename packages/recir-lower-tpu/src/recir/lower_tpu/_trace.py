@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import torch
 import torch.fx as fx
-from recir.transforms import LoweringError, StepGraph, format_node
+from recir.transforms import LoweringError, StepGraph, format_window
 from torchax.tensor import Environment, OperatorNotFound
 
 from ._registry import aten_reference_for, jax_lowering_for, op_qualname, registered_jax_lowerings
@@ -58,15 +58,6 @@ def _as_torch_impl(env: Environment, fn: Callable[..., Any]) -> Callable[..., An
     return impl
 
 
-def graph_window(node: fx.Node, radius: int = 4) -> str:
-    nodes = list(node.graph.nodes)
-    i = nodes.index(node)
-    lines = []
-    for n in nodes[max(0, i - radius) : i + radius + 1]:
-        lines.append(("--> " if n is node else "    ") + format_node(n))
-    return "\n".join(lines)
-
-
 _FIX = (
     "Fix: register a JAX lowering with recir.lower_tpu.register_jax_lowering({op!r}, fn) (JAX arrays in, "
     "JAX arrays out), override torchax's with Environment.override_op_definition, or decompose the op "
@@ -77,7 +68,7 @@ _FIX = (
 def lowering_error(node: fx.Node, what: str) -> LoweringError:
     op = op_qualname(node.target) if isinstance(node.target, torch._ops.OpOverload) else str(node.target)
     err = LoweringError(
-        f"recir.lower_tpu: op {op} at node %{node.name} {what}\ngraph window:\n{graph_window(node)}\n"
+        f"recir.lower_tpu: op {op} at node %{node.name} {what}\n{format_window(node.graph, node, radius=4, mark='--> ')}\n"
         + _FIX.format(op=op)
     )
     err.op, err.node = op, node.name  # type: ignore[attr-defined]

@@ -28,6 +28,15 @@ from ._graph_util import format_val as format_val
 from ._graph_util import format_window as format_window
 from ._inference import INFERENCE_KEY as INFERENCE_KEY
 from ._inference import to_inference as to_inference
+from ._metadata import GRAD_OF_KEY as GRAD_OF_KEY
+from ._metadata import OPTIM_PARAM_KEY as OPTIM_PARAM_KEY
+from ._metadata import OPTIMIZER_KEY as OPTIMIZER_KEY
+from ._metadata import OptimizerInfo as OptimizerInfo
+from ._metadata import grad_nodes as grad_nodes
+from ._metadata import grad_of as grad_of
+from ._metadata import optim_param as optim_param
+from ._metadata import optimizer_infos as optimizer_infos
+from ._metadata import set_optimizer_infos as set_optimizer_infos
 from ._ops import (
     bag_segment_ids as bag_segment_ids,
 )
@@ -73,6 +82,7 @@ from ._region import regions_by_id as regions_by_id
 from ._region import regions_by_override as regions_by_override
 from ._region import regions_by_pattern as regions_by_pattern
 from ._region import regions_by_phase as regions_by_phase
+from ._region import splice as splice
 from ._signature import (
     BatchSlot as BatchSlot,
 )
@@ -85,6 +95,18 @@ from ._signature import (
 from ._signature import (
     StateSlot as StateSlot,
 )
+from ._slot_names import RNG_OFFSET_SLOT as RNG_OFFSET_SLOT
+from ._slot_names import RNG_SEED_SLOT as RNG_SEED_SLOT
+from ._slot_names import SLOT_KINDS as SLOT_KINDS
+from ._slot_names import STEP_SLOT as STEP_SLOT
+from ._slot_names import SlotName as SlotName
+from ._slot_names import buffer_slot as buffer_slot
+from ._slot_names import lr_slot as lr_slot
+from ._slot_names import optim_slot as optim_slot
+from ._slot_names import param_slot as param_slot
+from ._slot_names import parse_slot_name as parse_slot_name
+from ._slot_names import rng_slot as rng_slot
+from ._slot_names import slot_path as slot_path
 from ._step import (
     DROPOUT_KEY as DROPOUT_KEY,
 )
@@ -117,6 +139,9 @@ from ._step import (
 )
 from ._step import (
     StepGraph as StepGraph,
+)
+from ._step import (
+    copy_graph_module as copy_graph_module,
 )
 from ._step import (
     format_node as format_node,
@@ -162,6 +187,20 @@ __all__ = [
     "SlotInitializer",
     "param_buffer_initializer",
     "format_node",
+    "copy_graph_module",
+    # state-slot names: param:<path>, buffer:<path>, optim:<path>:<key>, optim:step, optim:group<i>:lr, rng:*
+    "SlotName",
+    "parse_slot_name",
+    "slot_path",
+    "param_slot",
+    "buffer_slot",
+    "optim_slot",
+    "lr_slot",
+    "rng_slot",
+    "SLOT_KINDS",
+    "STEP_SLOT",
+    "RNG_SEED_SLOT",
+    "RNG_OFFSET_SLOT",
     # node metadata keys
     "PHASE_KEY",
     "PHASES",
@@ -169,6 +208,16 @@ __all__ = [
     "SHARDING_KEY",
     "OVERRIDE_KEY",
     "PROVENANCE_KEY",
+    # metadata packages share: gradients, optimizer nodes, the step's optimizers
+    "GRAD_OF_KEY",
+    "OPTIM_PARAM_KEY",
+    "OPTIMIZER_KEY",
+    "OptimizerInfo",
+    "optimizer_infos",
+    "set_optimizer_infos",
+    "grad_of",
+    "optim_param",
+    "grad_nodes",
     "SCOPE_KEY",
     "BatchAdapter",
     "adapt_batch",
@@ -192,6 +241,7 @@ __all__ = [
     "regions_by_pattern",
     "regions_by_override",
     "regions_by_id",
+    "splice",
     # pipelines
     "Pipeline",
     "TransformRecord",

@@ -21,8 +21,11 @@ def format_val(val: Any) -> str:
     return "None" if val is None else _fmt_val(val)
 
 
-def format_window(graph: fx.Graph, node: fx.Node | None, radius: int = 6) -> str:
-    """The graph's lines around ``node`` (marked ``>>>``), with elision marks; the head if node is None."""
+def format_window(graph: fx.Graph, node: fx.Node | None, radius: int = 6, *, mark: str = ">>> ") -> str:
+    """The graph's lines around ``node`` (marked ``mark``), with elision marks; the head if node is None.
+
+    The one graph-window printer of every error that points into a graph (verifier, lowerings).
+    """
     nodes = list(graph.nodes)
     idx = nodes.index(node) if node is not None and node in nodes else 0
     lo, hi = max(0, idx - radius), min(len(nodes), idx + radius + 1)
@@ -33,8 +36,8 @@ def format_window(graph: fx.Graph, node: fx.Node | None, radius: int = 6) -> str
     if lo > 0:
         lines.append("      ...")
     for i in range(lo, hi):
-        mark = ">>> " if node is not None and nodes[i] is node else "    "
-        lines.append(f"  {mark}{format_node(nodes[i], vals=True)}")
+        prefix = mark if node is not None and nodes[i] is node else " " * len(mark)
+        lines.append(f"  {prefix}{format_node(nodes[i], vals=True)}")
     if hi < len(nodes):
         lines.append("      ...")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ._errors import ConfigError
 from ._graph_util import alias_chain
+from ._metadata import OPTIMIZER_KEY
 from ._signature import OutputSlot, Signature
 from ._step import PHASE_KEY, PHASES, StepGraph, format_node
 
@@ -93,7 +94,9 @@ def phase_split(step: StepGraph, upto: Literal["forward", "backward"] = "forward
         output_spec=sig.output_spec if upto == "forward" else None,
     )
     gm = fx.GraphModule(step.graph_module, graph)
-    return step.replace(graph_module=gm, signature=signature, meta={**step.meta, PHASE_SPLIT_KEY: upto})
+    # the optimizer phase and its slots are gone: so is the record of the optimizers (INV-9)
+    meta = {k: v for k, v in step.meta.items() if k != OPTIMIZER_KEY}
+    return step.replace(graph_module=gm, signature=signature, meta={**meta, PHASE_SPLIT_KEY: upto})
 
 
 def _param_reached(step: StepGraph) -> dict[fx.Node, set[int]]:

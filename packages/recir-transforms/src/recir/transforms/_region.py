@@ -121,38 +121,21 @@ class Region:
         sub_out = list(sub.graph.output_node().args[0])
         self._check_outputs(sub_out)
 
-        insert_at = self._insertion_point()
-        env: dict[fx.Node, fx.Node] = {}
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, self.inputs))
-        region_ids = self._common_region_ids()
-        created: list[fx.Node] = []
-        with graph.inserting_before(insert_at):
-            for node in sub.graph.nodes:
-                if node.op in ("placeholder", "output"):
-                    continue
-                if node.op != "call_function":
-                    raise ConfigError(
-                        f"region {self.name!r}: the replacement produced a {node.op} node ({node.target}); "
-                        "build constants with torch.full/arange (tensor constants are hidden state, INV-1)"
-                    )
-                new = graph.node_copy(node, lambda n: env[n])
-                new.meta = {"val": node.meta.get("val"), PHASE_KEY: phase}
-                if region_ids or self.name:
-                    new.meta[REGION_KEY] = [
-                        *region_ids,
-                        *([self.name] if self.name and self.name not in region_ids else []),
-                    ]
-                owner = override_for_op(new.target)
-                if owner is not None:
-                    new.meta[OVERRIDE_KEY] = owner
-                if provenance:
-                    new.meta[PROVENANCE_KEY] = [provenance]
-                env[node] = new
-                created.append(new)
+        common = self._common_region_ids()
+        region_ids = [*common, *([self.name] if self.name and self.name not in common else [])]
+        new_outputs, created = _insert(
+            graph,
+            sub,
+            self.inputs,
+            before=self._insertion_point(),
+            phase=phase,
+            provenance=provenance,
+            region_ids=region_ids,
+            what=f"region {self.name!r}",
+        )
         members = set(self.nodes)
-        for old, new_value in zip(self.outputs, sub_out):
-            old.replace_all_uses_with(env[new_value], delete_user_cb=lambda u: u not in members)
+        for old, new_value in zip(self.outputs, new_outputs):
+            old.replace_all_uses_with(new_value, delete_user_cb=lambda u: u not in members)
         for node in reversed(self.nodes):
             graph.erase_node(node)
         self._replaced = True
@@ -209,6 +192,79 @@ class Region:
                 f"after %{nodes[first_user].name} reads an exit). Fix: choose a region whose entries precede its users"
             )
         return nodes[at]
+
+
+def splice(
+    graph: fx.Graph,
+    fn: Callable[..., Any],
+    args: Sequence[fx.Node],
+    *,
+    before: fx.Node,
+    phase: str,
+    provenance: str | None = None,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
+) -> list[fx.Node]:
+    """Trace ``fn`` on the FakeTensor ``val`` of ``args`` and insert its nodes before ``before``.
+
+    The one way to splice a traced subgraph into a graph (``Region.replace`` is built on it); for a
+    rewrite whose old nodes form a region, prefer ``Region.replace``, which also rewires their users.
+    Returns the nodes of ``fn``'s flat outputs (a tensor or a tuple/list of tensors). New nodes get
+    ``val``, ``recir.phase`` = ``phase``, ``recir.override`` for override ops, and ``provenance``.
+    """
+    vals = []
+    for arg in args:
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise ConfigError(f"splice: argument %{arg.name} has val {format_val(val)}, not a tensor")
+        vals.append(val)
+    sub = _trace(fn, vals, decompositions)
+    outputs, _ = _insert(
+        graph, sub, args, before=before, phase=phase, provenance=provenance, region_ids=(), what="splice"
+    )
+    return outputs
+
+
+def _insert(
+    graph: fx.Graph,
+    sub: fx.GraphModule,
+    args: Sequence[fx.Node],
+    *,
+    before: fx.Node,
+    phase: str,
+    provenance: str | None,
+    region_ids: Sequence[str],
+    what: str,
+) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Copy ``sub``'s compute nodes into ``graph`` before ``before``, its placeholders bound to ``args``.
+
+    Returns the nodes of ``sub``'s outputs and the nodes created. Metadata is fresh: ``val``, the
+    phase, ``region_ids`` (if any), ``recir.override`` for override ops and ``provenance``.
+    """
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    env.update(zip(placeholders, args))
+    created: list[fx.Node] = []
+    with graph.inserting_before(before):
+        for node in sub.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op != "call_function":
+                raise ConfigError(
+                    f"{what}: the replacement produced a {node.op} node ({node.target}); "
+                    "build constants with torch.full/arange (tensor constants are hidden state, INV-1)"
+                )
+            new = graph.node_copy(node, lambda n: env[n])
+            new.meta = {"val": node.meta.get("val"), PHASE_KEY: phase}
+            if region_ids:
+                new.meta[REGION_KEY] = list(region_ids)
+            owner = override_for_op(new.target)
+            if owner is not None:
+                new.meta[OVERRIDE_KEY] = owner
+            if provenance:
+                new.meta[PROVENANCE_KEY] = [provenance]
+            env[node] = new
+            created.append(new)
+    return [env[v] for v in sub.graph.output_node().args[0]], created
 
 
 def _trace(

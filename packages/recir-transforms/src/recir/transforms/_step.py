@@ -16,6 +16,7 @@ from torch import nn
 
 from ._errors import ConfigError
 from ._signature import Signature, StateSlot
+from ._slot_names import parse_slot_name
 
 PHASE_KEY = "recir.phase"
 REGION_KEY = "recir.region"
@@ -45,11 +46,22 @@ def param_buffer_initializer(
 ) -> torch.Tensor | None:
     """The default initializer: ``param:<path>`` and ``buffer:<path>`` slots read the live module."""
     del optimizer
-    if slot.kind == "param" and slot.name.startswith("param:"):
-        return model.get_parameter(slot.name.removeprefix("param:")).detach().clone()
-    if slot.kind == "buffer" and slot.name.startswith("buffer:"):
-        return model.get_buffer(slot.name.removeprefix("buffer:")).detach().clone()
+    if slot.kind not in ("param", "buffer"):
+        return None
+    name = parse_slot_name(slot.name)
+    if name.kind == slot.kind == "param":
+        return model.get_parameter(str(name.path)).detach().clone()
+    if name.kind == slot.kind == "buffer":
+        return model.get_buffer(str(name.path)).detach().clone()
     return None
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule with its own graph (each node's metadata dict copied shallowly, tensors shared)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})  # node_copy gives each node a shallow copy of its meta
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
 
 
 @dataclasses.dataclass
@@ -71,6 +83,11 @@ class StepGraph:
         """A copy with some fields changed (``meta`` is copied shallowly)."""
         changes.setdefault("meta", dict(self.meta))
         return dataclasses.replace(self, **changes)
+
+    def copy(self) -> StepGraph:
+        """A copy with its own graph (node metadata copied shallowly, tensors shared), so rewrites of
+        the copy leave this step intact."""
+        return self.replace(graph_module=copy_graph_module(self.graph_module))
 
     @property
     def graph(self) -> fx.Graph:

@@ -1,4 +1,4 @@
-"""The verifier: checks a StepGraph against the invariants INV-1..INV-7 documented in INVARIANTS.md.
+"""The verifier: checks a StepGraph against the invariants INV-1..INV-9 documented in INVARIANTS.md.
 
 Each violation raises ``VerificationError`` naming the invariant id, the transform, the node, expected
 versus actual, the fix, and a window of the graph around the node.
@@ -13,10 +13,12 @@ from typing import Any, NoReturn
 import torch
 import torch.fx as fx
 
-from ._errors import VerificationError
+from ._errors import ConfigError, VerificationError
 from ._graph_util import _alias_base, format_val, format_window
+from ._metadata import GRAD_OF_KEY, OPTIM_PARAM_KEY, OPTIMIZER_KEY, OptimizerInfo
 from ._override import override_for_op
 from ._signature import BatchSlot, StateSlot
+from ._slot_names import parse_slot_name
 from ._step import OVERRIDE_KEY, PHASE_KEY, PHASES, StepGraph, format_node
 
 #: Invariant id -> one-line statement (INVARIANTS.md explains why each exists and what breaks it).
@@ -30,6 +32,10 @@ INVARIANTS: dict[str, str] = {
     "INV-5": "every compute node has `val` and `recir.phase`; phases only flow forward -> backward -> optimizer",
     "INV-6": "opaque ops are only registered overrides (recir::* with a fake impl) and functional collectives",
     "INV-7": "static shapes (no SymInt in any `val`) unless the StepGraph is marked dynamic",
+    "INV-8": "`recir.grad_of` and `recir.optim_param` name param: state slots of the signature; "
+    "at most one node holds `recir.grad_of` for a slot",
+    "INV-9": "step.meta['recir.optimizer'] maps param: slot names to optimizer entries (kind, lr_slot, ...) "
+    "whose slot names follow the grammar; a parameter in the signature has its optimizer-state slots there too",
 }
 
 #: Op namespaces whose ops are ordinary graph ops (not opaque): ATen/prims, and the functional
@@ -106,6 +112,8 @@ class _Checker:
         self.check_aliasing()  # INV-2 (aliasing outputs)
         self.check_state_outputs()  # INV-4
         self.check_phase_flow()  # INV-5 (flow)
+        self.check_param_tags()  # INV-8
+        self.check_optimizer_meta()  # INV-9
 
     # INV-1
     def check_structure(self) -> None:
@@ -375,6 +383,70 @@ class _Checker:
                         actual=f"%{inp.name} is {theirs}",
                         fix="tag the node with the later phase, or move the computation earlier",
                     )
+
+    # INV-8
+    def check_param_tags(self) -> None:
+        params = {s.name for s in self.step.signature.state if s.kind == "param"}
+        seen: dict[str, fx.Node] = {}
+        for node in self.graph.nodes:
+            for key in (GRAD_OF_KEY, OPTIM_PARAM_KEY):
+                slot = node.meta.get(key)
+                if slot is None:
+                    continue
+                if slot not in params:
+                    self.fail(
+                        "INV-8",
+                        f"{key} names {slot!r}, which is no param slot of the signature",
+                        node,
+                        expected=f"one of {sorted(params)[:4]}{'...' if len(params) > 4 else ''}",
+                        actual=repr(slot),
+                        fix=f"set {key} to the param:<path> slot the node belongs to (or drop the key when "
+                        "a rewrite removes the parameter from the signature)",
+                    )
+                if key == GRAD_OF_KEY and slot in seen:
+                    self.fail(
+                        "INV-8",
+                        f"two nodes hold {key} {slot!r}: %{seen[slot].name} and %{node.name}",
+                        node,
+                        expected="one final-gradient node per parameter",
+                        fix=f"move {key} to the new gradient node and delete it from the old one",
+                    )
+                if key == GRAD_OF_KEY:
+                    seen[slot] = node
+
+    # INV-9
+    def check_optimizer_meta(self) -> None:
+        entries = self.step.meta.get(OPTIMIZER_KEY)
+        if entries is None:
+            return
+        state = {s.name for s in self.step.signature.state}
+        for param, entry in dict(entries).items():
+            where = f"step.meta[{OPTIMIZER_KEY!r}][{param!r}]"
+            fix = "build the entry with recir.transforms.OptimizerInfo(...).to_meta() from the step's slot names"
+            if not isinstance(param, str) or not param.startswith("param:"):
+                self.fail("INV-9", f"{where}: the key is no param:<path> slot name", fix=fix)
+            try:
+                info = OptimizerInfo.from_meta(param, entry)
+            except (ConfigError, TypeError, ValueError, AttributeError) as exc:
+                self.fail("INV-9", f"{where} is malformed: {exc}", fix=fix)
+            try:
+                for name in info.slots():
+                    parse_slot_name(name)
+            except ConfigError as exc:
+                self.fail("INV-9", f"{where}: {exc}", fix=fix)
+            if param not in state:
+                continue  # a part of a split step keeps the whole step's optimizer record
+            # Per-parameter state travels with its parameter; the shared lr and step scalars may live in
+            # another part of a split step (the host tables' part reads them from the device part).
+            missing = [s for s in info.state.values() if s not in state]
+            if missing:
+                self.fail(
+                    "INV-9",
+                    f"{where} names optimizer-state slots the signature lacks: {missing}",
+                    expected=f"every optimizer-state slot of {param!r} in signature.state, as {param!r} is",
+                    fix="keep the optimizer slots with their parameter, or update the entry when a rewrite "
+                    "renames or drops them",
+                )
 
 
 def _resolve_attr(root: torch.nn.Module, target: str) -> Any:

@@ -10,14 +10,21 @@ Before::                                  After::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from recir.transforms import SHARDING_KEY, StepGraph, Transform, TransformResult, register_transform
+from recir.transforms import (
+    PHASE_KEY,
+    SHARDING_KEY,
+    StepGraph,
+    TransformResult,
+    grad_nodes,
+    register_transform,
+)
 
-from .._graphinfo import grad_nodes, require_grads
-from .._rewrite import C10D, collective, copy_step, repropagate
-from ._common import PlanOptions, check_plan_matches
+from .._rewrite import C10D, collective, repropagate
+from ._common import PlanOptions, PlanTransform
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,31 +35,20 @@ class AllReduceGradientsOptions(PlanOptions):
 
 
 @register_transform
-class AllReduceGradients(Transform):
+class AllReduceGradients(PlanTransform):
     name: ClassVar[str] = "recir-dist-allreduce-grads"
     summary: ClassVar[str] = (
         "all-reduce (mean) the gradient of each replicated parameter at its recir.grad_of node"
     )
     Options: ClassVar[type] = AllReduceGradientsOptions
+    count_stat: ClassVar[str] = "all_reduces"
+    needs_grads: ClassVar[bool] = True
 
-    def requires(self, step: StepGraph) -> None:
-        check_plan_matches(step, self.options.plan, self.options.rank, self.name)
-        require_grads(step, self._targets(step), self.name)
+    def targets(self, step: StepGraph) -> list[str]:
+        return self.params_placed(step, "grad", "all_reduce")
 
-    def _targets(self, step: StepGraph) -> list[str]:
+    def rewrite(self, step: StepGraph, targets: Sequence[str]) -> TransformResult:
         plan = self.options.plan
-        return [
-            s.name
-            for s in step.signature.state
-            if s.kind == "param" and plan.slots[s.name].get("grad") == "all_reduce"
-        ]
-
-    def run(self, step: StepGraph) -> TransformResult:
-        plan = self.options.plan
-        targets = self._targets(step)
-        if not targets:
-            return TransformResult(step, False, {"all_reduces": 0})
-        step = copy_step(step)
         graph = step.graph
         grads = grad_nodes(step)
         count = 0
@@ -63,7 +59,7 @@ class AllReduceGradients(Transform):
                     graph,
                     C10D.all_reduce.default,
                     (g, "avg", plan.group_name),
-                    phase=g.meta["recir.phase"],
+                    phase=g.meta[PHASE_KEY],
                     sharding={**plan.slots[slot], "role": "gradient"},
                 )
             g.replace_all_uses_with(avg, delete_user_cb=lambda u, start=avg.args[0]: u is not start)
@@ -76,7 +72,7 @@ class AllReduceGradients(Transform):
                     graph,
                     C10D.all_reduce.default,
                     (loss, "avg", plan.group_name),
-                    phase=loss.meta.get("recir.phase", "forward"),
+                    phase=loss.meta.get(PHASE_KEY, "forward"),
                 )
             out.replace_input_with(loss, avg)
             avg.meta[SHARDING_KEY] = {"placement": "replicate", "role": "loss"}

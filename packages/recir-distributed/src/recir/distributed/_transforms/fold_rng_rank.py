@@ -12,17 +12,24 @@ Before::                                      After (data index 1)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 import torch.fx as fx
-from recir.transforms import SHARDING_KEY, StepGraph, Transform, TransformResult, register_transform
+from recir.transforms import (
+    PHASE_KEY,
+    RNG_SEED_SLOT,
+    SHARDING_KEY,
+    StepGraph,
+    TransformResult,
+    register_transform,
+)
 
 from .._graphinfo import source_of, state_placeholders
-from .._rewrite import call, copy_step, repropagate
-from ._common import PlanOptions, check_plan_matches
+from .._rewrite import call, repropagate
+from ._common import PlanTransform
 
-RNG_SEED_SLOT = "rng:seed"
 M32 = 0xFFFFFFFF
 # Odd 32-bit constant (2**32 / golden ratio): seed + i * GOLDEN differs mod 2**32 for every i < 2**32.
 GOLDEN = 0x9E3779B9
@@ -40,24 +47,22 @@ def folded_seed_delta(index: int) -> int:
 
 
 @register_transform
-class FoldRngRank(Transform):
+class FoldRngRank(PlanTransform):
     name: ClassVar[str] = "recir-dist-fold-rng-rank"
     summary: ClassVar[str] = (
         "random ops read rng:seed + data_index * 0x9E3779B9 (mod 2**32): independent per-rank streams, "
         "the stored seed stays identical on every rank"
     )
-    Options: ClassVar[type] = PlanOptions
+    count_stat: ClassVar[str] = "folded"
 
-    def requires(self, step: StepGraph) -> None:
-        check_plan_matches(step, self.options.plan, self.options.rank, self.name)
+    def targets(self, step: StepGraph) -> list[str]:
+        names = [s.name for s in step.signature.state]
+        return [RNG_SEED_SLOT] if self.options.plan.mesh.data_size > 1 and RNG_SEED_SLOT in names else []
 
-    def run(self, step: StepGraph) -> TransformResult:
+    def rewrite(self, step: StepGraph, targets: Sequence[str]) -> TransformResult:
         plan, rank = self.options.plan, self.options.rank
         names = [s.name for s in step.signature.state]
-        if plan.mesh.data_size <= 1 or RNG_SEED_SLOT not in names:
-            return TransformResult(step, False, {"folded": 0})
         index = data_index(plan, rank)
-        step = copy_step(step)
         graph = step.graph
         seed = state_placeholders(step)[RNG_SEED_SLOT]
         out = next(n for n in graph.nodes if n.op == "output")
@@ -71,7 +76,7 @@ class FoldRngRank(Transform):
         if not readers and not others_in_out:
             return TransformResult(step, False, {"folded": 0})
         first = min(readers, key=_position(graph)) if readers else out
-        phase = first.meta.get("recir.phase", "forward")
+        phase = first.meta.get(PHASE_KEY, "forward")
         with graph.inserting_before(first):
             low = call(graph, torch.ops.aten.bitwise_and.Scalar, seed, M32, phase=phase)
             moved = call(graph, torch.ops.aten.add.Tensor, low, folded_seed_delta(index), phase=phase)

@@ -14,15 +14,16 @@ Before (w: [8, 4])::                          After (w: [4, 4] on each of 2 devi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 import torch.fx as fx
-from recir.transforms import PHASE_KEY, ConfigError, StepGraph, Transform, TransformResult, register_transform
+from recir.transforms import PHASE_KEY, ConfigError, StepGraph, TransformResult, register_transform
 
 from .._graphinfo import aliases_of, require_grads, state_placeholders
-from .._rewrite import C10D, collective, copy_step, repropagate, with_local_state
-from ._common import PlanOptions, check_plan_matches
+from .._rewrite import C10D, collective, repropagate, with_local_state
+from ._common import PlanTransform
 
 # Reductions that would silently compute a per-shard value inside a sharded optimizer update.
 _REDUCTIONS = (
@@ -41,34 +42,22 @@ _REDUCTIONS = (
 
 
 @register_transform
-class ShardParameters(Transform):
+class ShardParameters(PlanTransform):
     name: ClassVar[str] = "recir-dist-shard-params"
     summary: ClassVar[str] = (
         "FSDP: all-gather sharded params for compute, reduce-scatter grads, update shards"
     )
-    Options: ClassVar[type] = PlanOptions
+    count_stat: ClassVar[str] = "sharded_params"
+    needs_grads: ClassVar[bool] = True
 
-    def _targets(self, step: StepGraph) -> list[str]:
-        plan = self.options.plan
-        return [
-            s.name
-            for s in step.signature.state
-            if s.kind == "param" and plan.slots[s.name].get("scheme") == "fsdp"
-        ]
+    def targets(self, step: StepGraph) -> list[str]:
+        return self.params_placed(step, "scheme", "fsdp")
 
-    def requires(self, step: StepGraph) -> None:
-        check_plan_matches(step, self.options.plan, self.options.rank, self.name)
-        require_grads(step, self._targets(step), self.name)
-
-    def run(self, step: StepGraph) -> TransformResult:
+    def rewrite(self, step: StepGraph, targets: Sequence[str]) -> TransformResult:
         plan, rank = self.options.plan, self.options.rank
-        targets = self._targets(step)
-        if not targets:
-            return TransformResult(step, False, {"sharded_params": 0})
-        step = copy_step(step)
         graph = step.graph
         phs = state_placeholders(step)
-        grads = require_grads(step, targets, self.name)
+        grads = require_grads(step, list(targets), self.name)
         first_compute = next(n for n in graph.nodes if n.op != "placeholder")
         for slot in targets:
             sh = plan.slots[slot]

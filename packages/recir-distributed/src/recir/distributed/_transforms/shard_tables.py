@@ -16,44 +16,44 @@ Table-wise tables travel with uneven splits (everything to the owner); row- and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
 from recir.transforms import (
+    GRAD_OF_KEY,
     OVERRIDE_KEY,
     PHASE_KEY,
     SHARDING_KEY,
     ConfigError,
     StepGraph,
-    Transform,
     TransformResult,
     register_transform,
 )
 
-from .._graphinfo import GRAD_OF_KEY, aliases_of, lookup_ops, lookups_of, optim_slots_of, state_placeholders
-from .._rewrite import C10D, call, collective, copy_step, repropagate, with_local_state
-from ._common import PlanOptions, check_plan_matches
+from .._graphinfo import aliases_of, lookup_ops, lookups_of, optim_slots_of, state_placeholders
+from .._rewrite import C10D, call, collective, repropagate, with_local_state
+from ._common import PlanTransform
 
 aten = torch.ops.aten
 _SCHEMES = ("table_wise", "row_wise", "column_wise")
 
 
 @register_transform
-class ShardTables(Transform):
+class ShardTables(PlanTransform):
     name: ClassVar[str] = "recir-dist-shard-tables"
     summary: ClassVar[str] = (
         "embedding input/output all-to-all for table-, row- and column-wise sharded tables"
     )
-    Options: ClassVar[type] = PlanOptions
+    count_stat: ClassVar[str] = "sharded_tables"
 
-    def _targets(self, step: StepGraph) -> list[str]:
+    def targets(self, step: StepGraph) -> list[str]:
         plan = self.options.plan
         return [t for t in plan.tables if plan.slots[t].get("scheme") in _SCHEMES]
 
-    def requires(self, step: StepGraph) -> None:
-        check_plan_matches(step, self.options.plan, self.options.rank, self.name)
-        for table in self._targets(step):
+    def check_targets(self, step: StepGraph, targets: Sequence[str]) -> None:
+        for table in targets:
             if not lookups_of(step, table):
                 raise ConfigError(
                     f"{self.name}: table {table!r} is sharded but no recir::embedding_bag or recir::embedding reads it (an aten "
@@ -61,12 +61,8 @@ class ShardTables(Transform):
                     "use FullyShardedDataParallel / DataParallel for this table."
                 )
 
-    def run(self, step: StepGraph) -> TransformResult:
+    def rewrite(self, step: StepGraph, targets: Sequence[str]) -> TransformResult:
         plan, rank = self.options.plan, self.options.rank
-        targets = self._targets(step)
-        if not targets:
-            return TransformResult(step, False, {"sharded_tables": 0})
-        step = copy_step(step)
         claimed: dict[fx.Node, str] = {}
         lookups = 0
         for table in targets:

@@ -12,29 +12,27 @@ Before::                                          After::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch.fx as fx
-from recir.transforms import PHASE_KEY, StepGraph, Transform, TransformResult, register_transform
+from recir.transforms import PHASE_KEY, StepGraph, TransformResult, register_transform
 
 from .._graphinfo import source_of, state_placeholders
-from .._rewrite import C10D, collective, copy_step, repropagate
-from ._common import PlanOptions, check_plan_matches
+from .._rewrite import C10D, collective, repropagate
+from ._common import PlanTransform
 
 
 @register_transform
-class SyncBuffers(Transform):
+class SyncBuffers(PlanTransform):
     name: ClassVar[str] = "recir-dist-sync-buffers"
     summary: ClassVar[str] = (
         "all-reduce (mean) the new value of every updated floating-point buffer:* slot over the data group "
         "(BatchNorm running statistics); integer buffers (num_batches_tracked) stay local"
     )
-    Options: ClassVar[type] = PlanOptions
+    count_stat: ClassVar[str] = "buffers"
 
-    def requires(self, step: StepGraph) -> None:
-        check_plan_matches(step, self.options.plan, self.options.rank, self.name)
-
-    def _targets(self, step: StepGraph) -> list[int]:
+    def targets(self, step: StepGraph) -> list[int]:
         """Output positions of buffer slots whose new value is computed (not the input passed through)."""
         if self.options.plan.mesh.data_size <= 1:
             return []
@@ -51,12 +49,8 @@ class SyncBuffers(Transform):
             and source_of(values[i]) is not phs[s.name]
         ]
 
-    def run(self, step: StepGraph) -> TransformResult:
+    def rewrite(self, step: StepGraph, targets: Sequence[int]) -> TransformResult:
         plan = self.options.plan
-        targets = self._targets(step)
-        if not targets:
-            return TransformResult(step, False, {"buffers": 0})
-        step = copy_step(step)
         graph = step.graph
         out = next(n for n in graph.nodes if n.op == "output")
         values = list(out.args[0])

@@ -11,15 +11,23 @@ from typing import Any
 import torch
 import torch.fx as fx
 from recir.transforms import (
+    GRAD_OF_KEY,
+    OPTIMIZER_KEY,
+    PHASE_KEY,
     SCOPE_KEY,
     ConfigError,
+    OptimizerInfo,
     StepGraph,
     Transform,
     TransformResult,
+    grad_nodes,
+    optim_param,
+    optimizer_infos,
+    parse_slot_name,
     register_transform,
+    splice,
 )
 
-from .._graph import splice
 from .._rowwise import SPARSE_KINDS, sparse_update
 
 aten = torch.ops.aten
@@ -81,7 +89,7 @@ def _counts_ids(values: fx.Node, ids: fx.Node, rows: int) -> bool:
     todo = [values]
     while todo:
         n = todo.pop()
-        if n in seen or n.op != "call_function" or n.meta.get("recir.phase") != "backward":
+        if n in seen or n.op != "call_function" or n.meta.get(PHASE_KEY) != "backward":
             continue
         seen.add(n)
         if n.target in _INDEX_PUTS:
@@ -244,8 +252,10 @@ def embedding_tables(step: StepGraph) -> dict[str, str]:
     placeholders = [n for n in step.graph.nodes if n.op == "placeholder"]
     out: dict[str, str] = {}
     for ph, name in zip(placeholders, names):
-        if not name.startswith("param:"):
+        slot = parse_slot_name(name)
+        if slot.kind != "param" or slot.path is None:
             continue
+        path = slot.path
         todo, seen = [ph], set()
         while todo:
             n = todo.pop()
@@ -258,7 +268,7 @@ def embedding_tables(step: StepGraph) -> dict[str, str]:
                 if user.target in _VIEWS or user.target in _SAME:
                     todo.append(user)
                 elif _is_lookup(user.target) and user.args and user.args[0] is n:
-                    module, _, attr = name[len("param:") :].rpartition(".")
+                    module, _, attr = path.rpartition(".")
                     recir_op = user.target not in _LOOKUPS
                     if recir_op or (attr == "weight" and user.meta.get(SCOPE_KEY) == module):
                         out[name] = module
@@ -269,8 +279,8 @@ def embedding_tables(step: StepGraph) -> dict[str, str]:
 class SparsifyUpdate(Transform):
     """Replace each table's dense gradient and optimizer update by row-wise updates of touched rows.
 
-    Matches, per param slot ``p`` (from ``step.meta["recir.optimizer"]``), the gradient node
-    (``recir.grad_of == p``) of the form ``zeros(rows, D).index_add(0, ids, g)`` (recir::embedding*
+    Matches, per param slot ``p`` (from ``step.meta[OPTIMIZER_KEY]``), the gradient node
+    (``GRAD_OF_KEY == p``) of the form ``zeros(rows, D).index_add(0, ids, g)`` (recir::embedding*
     overrides), ``zeros(rows, D).index_put([ids], g, accumulate=True)`` (plain ``nn.Embedding``:
     ``embedding_dense_backward`` as capture decomposes it, padding ids already masked in ``g``) or
     ``_embedding_bag_backward`` (plain ``nn.EmbeddingBag`` sum/mean, per-sample weights, padding_idx:
@@ -303,9 +313,9 @@ class SparsifyUpdate(Transform):
         lazy_weight_decay: bool = True  # allow weight decay applied to touched rows only
 
     def requires(self, step: StepGraph) -> None:
-        if "recir.optimizer" not in step.meta:
+        if OPTIMIZER_KEY not in step.meta:
             raise ConfigError(
-                f"{self.name}: the step has no meta['recir.optimizer'] (param slot -> optimizer); "
+                f"{self.name}: the step has no meta[{OPTIMIZER_KEY!r}] (param slot -> optimizer); "
                 "capture it with recir.capture.capture_train_step"
             )
 
@@ -315,29 +325,29 @@ class SparsifyUpdate(Transform):
         output = next(n for n in graph.nodes if n.op == "output")
         outs = list(output.args[0])
         names = step.signature.state_names()
-        grad_nodes = {n.meta["recir.grad_of"]: n for n in graph.nodes if "recir.grad_of" in n.meta}
+        grads = grad_nodes(step)
         done: list[str] = []
         skipped: dict[str, str] = {}
         ids_per_table: dict[str, int] = {}
         tables = embedding_tables(step)
-        for slot, info in step.meta["recir.optimizer"].items():
-            reason, plan = self._match(step, slot, info, grad_nodes, tables)
+        for slot, info in optimizer_infos(step).items():
+            reason, plan = self._match(step, slot, info, grads, tables)
             if plan is None:
                 skipped[slot] = reason
                 continue
             core_shape, terms = plan
-            kind, hp = info["kind"], dict(info["hparams"])
+            kind, hp = info.kind, dict(info.hparams)
             if kind == "sgd" and hp.get("momentum"):
                 skipped[slot] = "SGD with momentum decays every row's buffer (not row-wise)"
                 continue
             if hp.get("weight_decay") and not self.options.lazy_weight_decay:
                 skipped[slot] = "weight decay reaches every row densely (lazy_weight_decay=False)"
                 continue
-            keys = list(info.get("state", {}))
-            state_slots = [info["state"][key] for key in keys]
+            keys = list(info.state)
+            state_slots = [info.state[key] for key in keys]
             idx = [names.index(slot)] + [names.index(s) for s in state_slots]
-            lr = placeholders[names.index(info["lr_slot"])]
-            step_node = outs[names.index(info["step_slot"])] if info.get("step_slot") else None
+            lr = placeholders[names.index(info.lr_slot)]
+            step_node = outs[names.index(info.step_slot)] if info.step_slot else None
             args = [placeholders[i] for i in idx] + [lr] + ([step_node] if step_node is not None else [])
             args += [n for t in terms for n in t.nodes()]
             fn = _update_fn(kind, hp, keys, terms, step_node is not None, core_shape)
@@ -367,18 +377,18 @@ class SparsifyUpdate(Transform):
         self,
         step: StepGraph,
         slot: str,
-        info: dict[str, Any],
-        grad_nodes: dict[str, fx.Node],
+        info: OptimizerInfo,
+        grads: dict[str, fx.Node],
         tables: dict[str, str],
     ) -> tuple[str, tuple[tuple[int, int], list[_Term]] | None]:
-        kind = info.get("kind")
+        kind = info.kind
         if kind not in SPARSE_KINDS:
             return f"optimizer {kind!r} has no row-wise form", None
         if kind in ("adam", "adamw") and not self.options.lazy_adam:
             return "Adam is only row-wise with lazy semantics (lazy_adam=False)", None
-        grad = grad_nodes.get(slot)
+        grad = grads.get(slot)
         if grad is None:
-            return "no node carries recir.grad_of for it", None
+            return f"no node carries {GRAD_OF_KEY} for it", None
         core = grad
         while core.op == "call_function" and core.target in _VIEWS:
             core = core.args[0]
@@ -400,6 +410,6 @@ class SparsifyUpdate(Transform):
         if len(shape) != 2 or shape[0] < self.options.min_rows:
             return f"gradient shape {list(shape)} is not a [rows >= {self.options.min_rows}, D] table", None
         for user in grad.users:
-            if user.op != "output" and user.meta.get("recir.optim_param") != slot:
+            if user.op != "output" and optim_param(user) != slot:
                 return f"its gradient also feeds {user.name} (not {slot}'s optimizer update)", None
         return "", (shape, terms)

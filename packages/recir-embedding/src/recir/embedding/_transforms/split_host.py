@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.fx as fx
 from recir.transforms import (
+    OPTIMIZER_KEY,
     PHASE_KEY,
     REGION_KEY,
     BatchSlot,
@@ -97,7 +98,7 @@ def _plan(step: StepGraph, only: Sequence[str] | None) -> _Plan:
     placeholders = [n for n in step.graph.nodes if n.op == "placeholder"]
     output = step.graph.output_node()
     outs = list(output.args[0])
-    optim = step.meta.get("recir.optimizer", {})
+    optim = step.meta.get(OPTIMIZER_KEY, {})
     tagged: dict[str, list[tuple[fx.Node, str]]] = {}
     for node in step.graph.nodes:
         for slot, ids in node.meta.get(ROW_GRAD_KEY, ()):
@@ -227,9 +228,9 @@ class SplitHostEmbeddings(RegionTransform):
         tables: tuple[str, ...] | None = None
 
     def requires(self, step: StepGraph) -> None:
-        if "recir.optimizer" not in step.meta:
+        if OPTIMIZER_KEY not in step.meta:
             raise ConfigError(
-                f"{self.name}: the step has no meta['recir.optimizer']; capture it with "
+                f"{self.name}: the step has no meta[{OPTIMIZER_KEY!r}]; capture it with "
                 "recir.capture.capture_train_step and run recir-embed-sparsify-update first"
             )
 
@@ -291,7 +292,7 @@ class HostSplit:
     FBGEMM's split TBE on the GPU path): its forward is ``lookup`` (the rows), and its backward, given the
     row gradients that ``device`` returns (pooled ``[bags, D]`` for bags, the rows' for sequences: exactly
     TBE's ``grad_output``; ``lookup_grads`` says which is whose), applies the optimizer of
-    ``step.meta["recir.optimizer"][table]`` in place, i.e. ``update``.
+    ``step.meta[OPTIMIZER_KEY][table]`` in place, i.e. ``update``.
     """
 
     step: StepGraph
