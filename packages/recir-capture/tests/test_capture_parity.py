@@ -62,6 +62,7 @@ def _run_parity(case_name: str, opt_name: str, steps: int = STEPS) -> None:
         assert torch.equal(p, q), f"capture or the step modified the live parameter {n}"
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(("case_name", "opt_name"), CASES)
 def test_capture_parity_20_steps(case_name: str, opt_name: str) -> None:
     _run_parity(case_name, opt_name)

@@ -35,6 +35,7 @@ CASES = [
 ]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(("case_name", "opt_name", "sparse_updates", "backend"), CASES)
 def test_compiled_step_matches_eager_for_20_steps_in_place(
     case_name, opt_name, sparse_updates, backend, lower_gpu_cache_dir

@@ -25,6 +25,7 @@ CASES = [(model, opt) for model in testing.REFERENCE_CASES for opt in OPTIMIZERS
 ]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(("case_name", "opt_name"), CASES)
 def test_compiled_step_matches_eager_for_20_steps(case_name: str, opt_name: str) -> None:
     case = testing.REFERENCE_CASES[case_name]
