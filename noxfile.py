@@ -1,4 +1,4 @@
-"""Test matrices for the RecIR workspace: `nox -s cpu tpu transforms_standalone lint` is the CI command.
+"""Test matrices for the RecIR workspace: `nox -s cpu tpu transforms_standalone standalone newest oldest lint` is the CI command.
 
 The locked sessions sync the committed lock (`--locked`) into their own virtual environment with uv; `newest`
 and `oldest` ignore the lock and resolve the packages' declared ranges at either end.
@@ -16,7 +16,7 @@ import tomllib
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["cpu", "tpu", "transforms_standalone", "lint"]
+nox.options.sessions = ["cpu", "tpu", "transforms_standalone", "standalone", "newest", "oldest", "lint"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.12"  # the lock's default stack; also the first line of .python-version
