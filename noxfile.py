@@ -1,22 +1,27 @@
-"""Test matrices for the RecIR workspace: `nox -s cpu tpu transforms_standalone lint` is the CI command.
+"""Test matrices for the RecIR workspace: `nox -s cpu tpu transforms_standalone standalone newest oldest lint` is the CI command.
 
-Every session syncs the committed lock (`--locked`) into its own virtual environment with uv.
+The locked sessions sync the committed lock (`--locked`) into their own virtual environment with uv; `newest`
+and `oldest` ignore the lock and resolve the packages' declared ranges at either end.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
+import tomllib
 
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["cpu", "tpu", "transforms_standalone", "lint"]
+nox.options.sessions = ["cpu", "tpu", "transforms_standalone", "standalone", "newest", "oldest", "lint"]
 nox.options.error_on_missing_interpreters = True
 
-PYTHON = "3.11"
+PYTHON = "3.12"  # the lock's default stack; also the first line of .python-version
+NEWEST_PYTHON = "3.13"
+OLDEST_PYTHON = "3.11"  # requires-python's lower bound
 # Compile caches shared across sessions and runs (Inductor FX graph cache, JAX compilation cache).
 CACHE = os.environ.get("RECIR_CACHE_DIR", os.path.expanduser("~/.cache/recir"))
 BASE_ENV = {
@@ -39,6 +44,100 @@ def _sync(session: nox.Session, *args: str) -> None:
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         silent=True,
     )
+
+
+# The FBGEMM and TorchRec releases built for each torch (same minor numbers for both): FBGEMM's compiled
+# operators load only into the torch they were built against, and neither package's metadata says which
+# that is, so a resolver alone pairs them wrongly. Add a row when FBGEMM publishes a release for a new torch.
+FBGEMM_FOR_TORCH = {"2.9": "1.4", "2.10": "1.5", "2.11": "1.6", "2.12": "1.7", "2.13": "1.8", "2.14": "1.9"}
+# TorchRec hard-depends on FBGEMM's CUDA build, which fails to load without CUDA: drop that edge (as the
+# root pyproject's override does for the lock); recir-embedding[cpu] brings fbgemm-gpu-cpu instead.
+UNLOCKED_OVERRIDES = ["fbgemm-gpu; sys_platform == 'never'"]
+# The dev group's test tools (ruff and mypy are lint's).
+TEST_REQUIREMENTS = ["pytest>=8.3", "pyyaml>=6"]
+
+
+def _declared_requirements() -> list[str]:
+    """Every workspace package (editable, recir-embedding with its `cpu` extra) plus each package's declared
+    third-party requirements as direct ones, so `--resolution lowest-direct` takes every declared lower bound."""
+    reqs: list[str] = []
+    for pyproject in sorted(glob.glob("packages/*/pyproject.toml")):
+        with open(pyproject, "rb") as f:
+            project = tomllib.load(f)["project"]
+        folder = os.path.dirname(pyproject)
+        extra = "[cpu]" if project["name"] == "recir-embedding" else ""
+        reqs += ["-e", f"./{folder}{extra}"]
+        declared = project["dependencies"] + project.get("optional-dependencies", {}).get("cpu", [])
+        reqs += [r for r in declared if not r.startswith("recir-")]
+    return reqs + TEST_REQUIREMENTS
+
+
+def _unlocked_sync(session: nox.Session, resolution: str) -> dict[str, str]:
+    """Resolve the declared ranges at one end (`highest` or `lowest-direct`) into the session's environment,
+    ignoring the lock and the root's tested-stack constraints (`--no-config`), with FBGEMM and TorchRec
+    pinned to the releases built for the resolved torch. Returns the installed versions of the stack."""
+    tmp = session.create_tmp()
+    requirements = os.path.join(tmp, "requirements.in")
+    overrides = os.path.join(tmp, "overrides.txt")
+    constraints = os.path.join(tmp, "constraints.txt")
+    with open(requirements, "w") as f:
+        f.write("\n".join(_declared_requirements()) + "\n")
+    with open(overrides, "w") as f:
+        f.write("\n".join(UNLOCKED_OVERRIDES) + "\n")
+    pins = []
+    if resolution == "lowest-direct":
+        # Transitive requirements still resolve highest, and the newest tensordict (TorchRec's) needs a newer
+        # torch than ours: pin torch to its declared lower bound, or lowest-direct lands on torch 2.11.
+        bounds = re.findall(r"^torch>=([\d.]+)", "\n".join(_declared_requirements()), re.MULTILINE)
+        pins.append(f"torch=={max(bounds, key=lambda v: tuple(map(int, v.split('.'))))}")
+    with open(constraints, "w") as f:
+        f.write("".join(f"{pin}\n" for pin in pins))
+    python = os.path.join(session.virtualenv.location, "bin", "python")
+    common = ["--no-config", "--python", python, "--resolution", resolution, "--overrides", overrides]
+    common += ["--constraints", constraints]
+    compiled = session.run_install(
+        "uv", "pip", "compile", requirements, *common, "--no-header", "--no-annotate", silent=True
+    )
+    if compiled is not None:  # None: reusing the environment (`nox -R`)
+        match = re.search(r"^torch==(\d+\.\d+)", str(compiled), re.MULTILINE)
+        if match is None:
+            session.error(f"uv pip compile resolved no torch:\n{compiled}")
+        fbgemm = FBGEMM_FOR_TORCH.get(match.group(1))
+        if fbgemm is None:
+            session.error(
+                f"resolved torch {match.group(1)}, for which FBGEMM_FOR_TORCH in noxfile.py names no "
+                f"FBGEMM/TorchRec release (known: {', '.join(FBGEMM_FOR_TORCH)}); add the row once FBGEMM "
+                "publishes one"
+            )
+        with open(constraints, "a") as f:
+            f.write(f"fbgemm-gpu-cpu=={fbgemm}.*\ntorchrec=={fbgemm}.*\n")
+        session.run_install("uv", "pip", "install", "-r", requirements, *common)
+    report = session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m, platform; "
+        "print('python', platform.python_version()); "
+        "[print(p, m.version(p)) for p in ('torch', 'torchrec', 'fbgemm-gpu-cpu', 'jax', 'torchax')]",
+        silent=True,
+    )
+    if report is None:  # --install-only
+        return {}
+    versions = dict(line.split(" ", 1) for line in str(report).splitlines() if " " in line)
+    session.log("stack: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    return versions
+
+
+def _smoke(session: nox.Session, name: str) -> None:
+    """The `smoke`-marked tests (capture, both lowerings, embeddings, a DLRMv3 train and resume) on the CPU,
+    with compile caches of their own."""
+    cache = os.path.join(CACHE, name)
+    env = {
+        **BASE_ENV,
+        "JAX_PLATFORMS": "cpu",
+        "RECIR_CACHE_DIR": cache,
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+    }
+    session.run("pytest", "packages", "-m", "smoke and not gpu", *session.posargs, env=env)
 
 
 def _has_tpu() -> bool:
@@ -99,6 +198,54 @@ def transforms_standalone(session: nox.Session) -> None:
         "sys.exit(f'recir-transforms pulled in {bad}' if bad else 0)",
     )
     session.run("pytest", "packages/recir-transforms/tests", *session.posargs, env=BASE_ENV)
+
+
+@nox.session(python=NEWEST_PYTHON)
+def newest(session: nox.Session) -> None:
+    """The newest releases the packages' metadata accepts (uv's highest resolution, no lock), on Python 3.13.
+
+    torch stops below 2.13 because recir-lower-tpu declares torch < 2.13 (torchax 0.0.13 cannot load on newer
+    torch); FBGEMM and TorchRec are the releases built for the resolved torch (FBGEMM_FOR_TORCH)."""
+    _unlocked_sync(session, "highest")
+    _smoke(session, "newest")
+
+
+@nox.session(python=OLDEST_PYTHON)
+def oldest(session: nox.Session) -> None:
+    """The lowest declared bounds (uv's lowest-direct resolution over every declared requirement), on Python 3.11."""
+    _unlocked_sync(session, "lowest-direct")
+    _smoke(session, "oldest")
+
+
+# Each library package alone from the lock, with what it must not pull in: TorchRec and FBGEMM are extras,
+# JAX and torchax belong to recir-lower-tpu only, and a package imports no sibling it does not list.
+STANDALONE = {
+    "recir-capture": ("recir.capture", ("jax", "torchax", "torchrec", "fbgemm_gpu", "recir.embedding")),
+    "recir-distributed": ("recir.distributed", ("jax", "torchax", "torchrec", "fbgemm_gpu", "recir.capture")),
+    "recir-embedding": ("recir.embedding", ("jax", "torchax", "torchrec", "fbgemm_gpu", "recir.capture")),
+    "recir-lower-gpu": ("recir.lower_gpu", ("jax", "torchax", "torchrec", "fbgemm_gpu", "recir.capture")),
+    "recir-lower-tpu": ("recir.lower_tpu", ("torchrec", "fbgemm_gpu", "recir.capture", "recir.lower_gpu")),
+}
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", sorted(STANDALONE))
+def standalone(session: nox.Session, package: str) -> None:
+    """One library package installed alone (its declared dependencies only): it imports, and what it must not
+    need is absent. Its tests are not run here: they build steps with recir-capture and compare against
+    TorchRec, which are test-time dependencies (the cpu session runs them)."""
+    module, absent = STANDALONE[package]
+    _sync(session, "--package", package, "--no-default-groups")
+    session.run(
+        "python",
+        "-c",
+        "import importlib, importlib.util as u, sys; "
+        f"m = importlib.import_module({module!r}); "
+        "missing = [n for n in m.__all__ if not hasattr(m, n)]; "
+        f"bad = [n for n in {absent!r} if u.find_spec(n)]; "
+        f"sys.exit(f'{package} alone: missing public names {{missing}}' if missing else "
+        f"f'{package} pulled in {{bad}}' if bad else 0)",
+    )
 
 
 @nox.session(python=PYTHON)

@@ -28,6 +28,13 @@ CASES = [("mlp", name) for name in testing.OPTIMIZERS] + [
     ("batchnorm", "sgd_nesterov"),
     ("batchnorm", "adam_wd_maximize"),
 ]
+# The newest/oldest sessions' subset: one case per model kind.
+SMOKE = {
+    ("mlp", "adam"),
+    ("transformer", "adamw_amsgrad"),
+    ("embedding_bag", "rowwise_adagrad"),
+    ("batchnorm", "adam_wd_maximize"),
+}
 
 
 def _run_parity(case_name: str, opt_name: str, steps: int = STEPS) -> None:
@@ -62,6 +69,8 @@ def _run_parity(case_name: str, opt_name: str, steps: int = STEPS) -> None:
         assert torch.equal(p, q), f"capture or the step modified the live parameter {n}"
 
 
-@pytest.mark.parametrize(("case_name", "opt_name"), CASES)
+@pytest.mark.parametrize(
+    ("case_name", "opt_name"), [pytest.param(*c, marks=pytest.mark.smoke) if c in SMOKE else c for c in CASES]
+)
 def test_capture_parity_20_steps(case_name: str, opt_name: str) -> None:
     _run_parity(case_name, opt_name)

@@ -4,6 +4,8 @@ import importlib
 import subprocess
 import sys
 
+import pytest
+
 PUBLIC = {
     "capture_train_step",
     "BucketedStep",
@@ -27,6 +29,7 @@ PUBLIC = {
 }
 
 
+@pytest.mark.smoke
 def test_capture_public_api_resolves():
     mod = importlib.import_module("recir.capture")
     assert mod.__all__, "recir.capture must export a public API"

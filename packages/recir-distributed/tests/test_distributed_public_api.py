@@ -2,7 +2,10 @@
 
 import importlib
 
+import pytest
 
+
+@pytest.mark.smoke
 def test_distributed_public_api_resolves():
     mod = importlib.import_module("recir.distributed")
     assert mod.__all__, "recir.distributed must export a public API"

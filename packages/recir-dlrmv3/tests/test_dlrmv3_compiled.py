@@ -15,6 +15,7 @@ TINY = dict(batch_size=4, embedding_dim=16, num_layers=1, num_heads=2, uih_len=8
 FLAGS = [f"--{k}={v}" for k, v in TINY.items() if k != "num_eval_batches"]
 
 
+@pytest.mark.smoke
 @pytest.mark.tpu
 def test_dlrmv3_tpu_target_compiles_once_trains_and_resumes(tmp_path):
     lines: list[str] = []

@@ -93,7 +93,7 @@ def test_dockerfile_installs_from_the_lock_and_runs_the_smoke_command(kind, tmp_
     names = [name for name, _ in steps]
     assert names[0] == "FROM", names
     base = steps[0][1]
-    assert base.startswith("nvidia/cuda:") if kind == "gpu" else base.startswith("python:3.11"), base
+    assert base.startswith("nvidia/cuda:") if kind == "gpu" else base.startswith("python:3.12"), base
     (sync,) = [i for i, (name, args) in enumerate(steps) if name == "RUN" and "uv sync" in args]
     words = shlex.split(steps[sync][1])
     assert {"--locked", "--no-default-groups"} <= set(words), words

@@ -2,7 +2,10 @@
 
 import importlib
 
+import pytest
 
+
+@pytest.mark.smoke
 def test_dlrmv3_public_api_resolves():
     mod = importlib.import_module("recir.dlrmv3")
     assert mod.__all__, "recir.dlrmv3 must export a public API"

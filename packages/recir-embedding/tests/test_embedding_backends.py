@@ -36,6 +36,7 @@ def _captured(helpers, kind):
     return tr, model, build_step(model, helpers.loss_fn, batch, kind, hp), hp
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend,kind", CASES)
 def test_backend_matches_eager_reference_for_10_steps(helpers, backend, kind):
     tr, model, step, hp = _captured(helpers, kind)

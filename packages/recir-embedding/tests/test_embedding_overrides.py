@@ -17,6 +17,7 @@ def _grads(model, loss_fn, batch):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.smoke
 def test_stand_ins_match_eager_torchrec_forward_and_gradients(helpers):
     tr = helpers.make_torchrec_model()
     model, applied = apply_overrides(copy.deepcopy(tr), overrides())

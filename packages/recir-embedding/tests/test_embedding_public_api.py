@@ -2,7 +2,10 @@
 
 import importlib
 
+import pytest
 
+
+@pytest.mark.smoke
 def test_embedding_public_api_resolves():
     mod = importlib.import_module("recir.embedding")
     assert mod.__all__, "recir.embedding must export a public API"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 _CHILD = r"""
 import sys
 sys.modules["torchrec"] = None  # import torchrec -> ImportError
@@ -47,6 +49,7 @@ print("torchrec loaded:", "torchrec" in sys.modules and sys.modules["torchrec"] 
 """
 
 
+@pytest.mark.smoke
 def test_plain_model_trains_without_torchrec_and_fbgemm():
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -16,6 +16,7 @@ _CHILD = r"""
 import sys
 sys.modules["recir"] = None  # torch alone
 import torch
+import torch._inductor.codecache  # torch 2.10's aoti_load_package uses it without importing it
 path, inputs = sys.argv[1], sys.argv[2]
 data = torch.load(inputs)
 model = torch._inductor.aoti_load_package(path)

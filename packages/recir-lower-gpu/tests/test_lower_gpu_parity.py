@@ -33,9 +33,14 @@ CASES = [
     ("embedding_bag", "adagrad", False, "fbgemm"),
     ("embedding_bag", "rowwise_adagrad", True, "in_graph"),
 ]
+# The newest/oldest sessions' subset: a transformer through Inductor and FBGEMM's kernels as fallbacks.
+SMOKE = {("transformer", "adamw_amsgrad"), ("embedding_bag", "adagrad")}
 
 
-@pytest.mark.parametrize(("case_name", "opt_name", "sparse_updates", "backend"), CASES)
+@pytest.mark.parametrize(
+    ("case_name", "opt_name", "sparse_updates", "backend"),
+    [pytest.param(*c, marks=pytest.mark.smoke) if c[:2] in SMOKE else c for c in CASES],
+)
 def test_compiled_step_matches_eager_for_20_steps_in_place(
     case_name, opt_name, sparse_updates, backend, lower_gpu_cache_dir
 ):

@@ -2,7 +2,10 @@
 
 import importlib
 
+import pytest
 
+
+@pytest.mark.smoke
 def test_lower_gpu_public_api_resolves():
     mod = importlib.import_module("recir.lower_gpu")
     assert mod.__all__, "recir.lower_gpu must export a public API"

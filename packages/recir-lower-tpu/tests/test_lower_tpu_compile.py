@@ -33,6 +33,7 @@ def _batches(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     return [{"x": torch.randn(5, 6, generator=g), "y": torch.randn(5, 1, generator=g)} for _ in range(n)]
 
 
+@pytest.mark.smoke
 def test_sgd_matches_eager_torch_optim_for_20_steps(sgd_step):
     model = _mlp()
     batches = _batches(20)
@@ -85,6 +86,7 @@ def test_without_donation_inputs_survive(sgd_step):
     assert len(new_state) == len(state)
 
 
+@pytest.mark.smoke
 def test_state_dict_round_trip_and_resume(sgd_step):
     model = _mlp()
     batches = _batches(4)

@@ -18,6 +18,7 @@ from recir.lower_tpu._versions import incompatibility
         ("2.13.0", None, False),
     ],
 )
+@pytest.mark.smoke
 def test_torchax_on_torch_2_13_is_a_clear_error(torch_version, torchax_version, broken):
     problem = incompatibility(torch_version, torchax_version)
     assert (problem is not None) == broken

@@ -62,6 +62,7 @@ return [%mul_1, %buffer_frozen, %sum_1]"""
     assert [n.name for n in step.graph.nodes if n.op == "placeholder"] == ["param_w", "buffer_frozen", "x"]
 
 
+@pytest.mark.smoke
 def test_dce_numerics_match_the_untransformed_step():
     step, state, batch = _dead_step()
     ref, _, _ = _dead_step()

@@ -11,11 +11,12 @@ from recir.transforms import PHASE_KEY, ConfigError, phase_split, verify
 
 
 def _without_detach(text: str) -> str:
-    """The graph text with make_fx's detach nodes bypassed (their number varies with the torch release)."""
+    """The graph text with make_fx's detach nodes bypassed (their number varies with the torch release;
+    from torch 2.13 they are alias nodes)."""
     alias: dict[str, str] = {}
     lines = []
     for line in text.splitlines():
-        m = re.match(r"(%\w+) = aten\.detach\((%\w+)\)", line)
+        m = re.match(r"(%\w+) = aten\.(?:detach|alias)\((%\w+)\)", line)
         if m:
             alias[m[1]] = alias.get(m[2], m[2])
         else:

@@ -4,9 +4,11 @@ import importlib
 import subprocess
 import sys
 
+import pytest
 import recir.transforms as rt
 
 
+@pytest.mark.smoke
 def test_transforms_public_api_resolves():
     assert rt.__all__
     for name in rt.__all__:

@@ -32,8 +32,9 @@ def _named(step, *names):
 
 
 def _root(node):
-    """The value under make_fx's detach nodes (their number varies with the torch release)."""
-    while node.target is torch.ops.aten.detach.default:
+    """The value under make_fx's detach nodes (their number varies with the torch release; from torch 2.13
+    they are alias nodes)."""
+    while node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
         node = node.args[0]
     return node
 

@@ -68,7 +68,7 @@ class SyntheticDataset:
         n = int(rng.integers(lo, self.uih_len + self.uih_len // 4 + 1))
         ids = self._popular(rng, n)
         actions = (rng.random(n) < rate).astype(np.int64) | (rng.integers(0, 16, n) << 1)
-        timestamps = (
+        timestamps: np.ndarray = (
             _T0 + int(rng.integers(0, 10**7)) + np.cumsum(rng.exponential(3600.0, n)).astype(np.int64)
         )
         c = self.num_candidates if rng.random() < 0.8 else int(rng.integers(1, self.num_candidates + 1))

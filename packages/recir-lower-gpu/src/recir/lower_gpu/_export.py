@@ -81,7 +81,8 @@ def export(
         return {"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
     manifest = {
-        "format": "AOTInductor package; torch._inductor.aoti_load_package(path)(*state, *batch) -> (*state, *outputs)",
+        "format": "AOTInductor package; torch._inductor.aoti_load_package(path)(*state, *batch) -> (*state, *outputs) "
+        "(import torch._inductor.codecache first on torch 2.10)",
         "device": str(dev),
         "versions": {"torch": torch.__version__},
         "state": [spec(s.name, s.shape, s.dtype) for s in sig.state],

@@ -2,7 +2,11 @@
 
 from recir.transforms import LoweringError as LoweringError
 
+# isort: off
 from . import _versions  # noqa: F401 - first: refuses a known-broken torch/torchax pair before torchax loads
+from . import _torchax_device  # noqa: F401 - torch.compile keeps working once torchax is imported
+
+# isort: on
 from ._cache import default_cache_dir as default_cache_dir
 from ._cache import enable_compile_cache as enable_compile_cache
 from ._compile import TPUCompiledStep as TPUCompiledStep
