@@ -290,7 +290,9 @@ def _spec_layouts(spec: Any) -> list[tuple[Any, ...]]:
         return []
     if spec.type is JaggedBatch:
         return [spec.context]
-    return [ctx for child in spec.children_specs for ctx in _spec_layouts(child)]
+    # torch 2.10 deprecates the `children_specs` field for the `children()` method.
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+    return [ctx for child in children for ctx in _spec_layouts(child)]
 
 
 def validate_step_batch(step: Any, batch: Any, tables: Iterable[EmbeddingTable] | None = None) -> None:

@@ -53,6 +53,14 @@ def adapt_batch(batch: Any, captured: pytree.TreeSpec | None = None, policy: Any
     return _adapt(batch, captured, policy)
 
 
+def spec_children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """A TreeSpec's child specs: `children()` from torch 2.10, `children_specs` before."""
+    children = getattr(spec, "children", None)
+    if callable(children):
+        return list(children())
+    return list(spec.children_specs)
+
+
 def _adapt(value: Any, spec: pytree.TreeSpec | None, policy: Any) -> Any:
     for adapter in _ADAPTERS:
         if adapter.handles(value):
@@ -64,12 +72,8 @@ def _adapt(value: Any, spec: pytree.TreeSpec | None, policy: Any) -> Any:
         return value
     children, context = node.flatten_fn(value)
     subs: list[Any] = [None] * len(children)
-    if (
-        spec is not None
-        and spec.type is pytree._get_node_type(value)
-        and len(spec.children_specs) == len(children)
-    ):
-        subs = list(spec.children_specs)
+    if spec is not None and spec.type is pytree._get_node_type(value) and spec.num_children == len(children):
+        subs = spec_children(spec)
     new = [_adapt(c, s, policy) for c, s in zip(children, subs)]
     if all(n is c for n, c in zip(new, children)):
         return value
