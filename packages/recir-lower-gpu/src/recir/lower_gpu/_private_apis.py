@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from recir.transforms import require_private_apis
 
-CHECKED = {"torch": ("2.9.1", "2.11.0")}
+CHECKED = {"torch": ("2.9.1", "2.10.0", "2.11.0", "2.12.1")}  # oldest, the lock, the H200 run, newest
 
 PRIVATE_APIS = (
     "torch._inductor.compile_fx:compile_fx",  # compile a StepGraph's GraphModule without Dynamo

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from recir.transforms import require_private_apis
 
-CHECKED = {"torch": ("2.9.1",), "jax": ("0.10.2",), "torchax": ("0.0.13",)}
+# oldest, the lock, newest (nox sessions of the same names)
+CHECKED = {
+    "torch": ("2.9.1", "2.10.0", "2.12.1"),
+    "jax": ("0.10.0", "0.10.2", "0.12.0.1"),
+    "torchax": ("0.0.13",),
+}
 
 PRIVATE_APIS = (
     "torch._ops:OpOverload",
