@@ -39,7 +39,7 @@ for _ in range(3):
     state, (loss,) = step(state, batch)
 print("sparsified", step.meta["recir.embedding"]["sparsify"]["sparsified"])
 print("loss", float(loss))
-for backend, extra in (("torchrec", "recir-embedding[torchrec]"), ("fbgemm", "recir-embedding[cpu]")):
+for backend, extra in (("torchrec", "recir-embedding[torchrec]"), ("fbgemm", "recir-embedding[fbgemm-cpu]")):
     try:
         re.prepare_for_lowering(step, backend=backend, target="gpu", device="cpu")
         print(backend, "NO ERROR")
@@ -56,5 +56,5 @@ def test_plain_model_trains_without_torchrec_and_fbgemm():
     lines = out.stdout.splitlines()
     assert "sparsified ['param:e.weight']" in lines
     assert "torchrec names recir-embedding[torchrec] True" in lines
-    assert "fbgemm names recir-embedding[cpu] True" in lines
+    assert "fbgemm names recir-embedding[fbgemm-cpu] True" in lines
     assert "torchrec loaded: False" in lines

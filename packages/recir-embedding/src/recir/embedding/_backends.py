@@ -34,6 +34,7 @@ from . import _ring_shift as _ring_shift  # registers the recir::ring_shift_* op
 from ._checks import checks_enabled
 from ._transforms.sparsify_update import SparsifyUpdate
 from ._transforms.split_host import HOST_LOOKUP, SplitHostEmbeddings
+from ._versions import check_fbgemm
 
 log = logging.getLogger("recir.embedding")
 BACKENDS: tuple[str, ...] = ("fbgemm", "torchrec", "in_graph", "ring_shift", "cpu")
@@ -80,10 +81,11 @@ def _require(backend: str, target: str, device: Any, row_sharded: Mapping[str, s
         if dev is not None and dev.type == "cuda" and not _ops.fbgemm_has_cuda():
             raise ConfigError(
                 "embedding backend 'fbgemm' on CUDA needs FBGEMM's CUDA kernels, and the installed FBGEMM "
-                "has none (fbgemm-gpu-cpu, the CPU build). Fix: install recir-embedding[gpu] "
+                "has none (fbgemm-gpu-cpu, the CPU build). Fix: install recir-embedding[fbgemm-gpu] "
                 "(fbgemm-gpu built for this torch and CUDA), or use embedding_backend='in_graph'."
             )
     if backend == "torchrec":
+        check_fbgemm()  # TorchRec imports FBGEMM: a FBGEMM built for another torch fails inside it
         try:
             import torchrec  # noqa: F401
         except ImportError as e:  # pragma: no cover

@@ -15,6 +15,7 @@ from recir.transforms import register_override_op
 from torch import Tensor
 
 from ._checks import check_ids, check_lengths
+from ._versions import check_fbgemm
 
 EMBEDDING_OVERRIDE = "recir-embedding-collection"
 FBGEMM_BACKEND = "recir-embedding-fbgemm"
@@ -103,12 +104,15 @@ register_override_op("recir::check_jagged", CHECK_OVERRIDE)
 
 # -- backend kernels (forward only: the backward is already ATen in the StepGraph) --------------------
 def _fbgemm() -> None:
+    """Import FBGEMM, or raise ImportError naming the extra to install, or the versions when the installed
+    FBGEMM is built for another torch."""
+    check_fbgemm()
     try:
         import fbgemm_gpu  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the 'fbgemm' embedding backend needs FBGEMM: install recir-embedding[cpu] "
-            "(fbgemm-gpu-cpu) or recir-embedding[gpu] (fbgemm-gpu)"
+            "the 'fbgemm' embedding backend needs FBGEMM: install recir-embedding[fbgemm-cpu] "
+            "(fbgemm-gpu-cpu) or recir-embedding[fbgemm-gpu] (fbgemm-gpu)"
         ) from e
 
 

@@ -22,6 +22,7 @@ import torch.fx as fx
 from recir.transforms import ConfigError, StepGraph, optimizer_infos
 from torch import Tensor
 
+from ._ops import _fbgemm
 from ._transforms.split_host import HOST_SPLIT_KEY, HostSplit
 
 log = logging.getLogger("recir.embedding")
@@ -148,6 +149,7 @@ class FusedTBE:
     """
 
     def __init__(self, split: HostSplit, device: torch.device | str = "cpu") -> None:
+        _fbgemm()  # ImportError naming the extra, or the versions of a FBGEMM built for another torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
