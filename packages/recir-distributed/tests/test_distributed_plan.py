@@ -100,6 +100,29 @@ def test_plan_prints_a_table_and_round_trips_json(emb, tmp_path):
     assert str(again) == text
 
 
+def test_plan_save_is_atomic_and_plans_are_checked_by_type(emb, tmp_path, monkeypatch):
+    plan = rd.plan(emb, rd.HybridParallel(tables=rd.row_wise()), rd.Mesh(axes={"data": 2}))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    before = path.read_text()
+    other = rd.plan(emb, rd.DataParallel(), rd.Mesh(axes={"data": 2}))
+
+    def crash(src, dst):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr("os.replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        other.save(path)
+    assert path.read_text() == before  # a failed save leaves the old plan whole
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # and no temporary behind
+    monkeypatch.undo()
+    assert rd.as_plan(None, "x") is None and rd.as_plan(plan, "x") is plan
+    with pytest.raises(
+        rd.ConfigError, match=r"lower: plan must be a recir.distributed.ShardingPlan, got dict"
+    ):
+        rd.as_plan(plan.to_dict(), "lower")
+
+
 def test_auto_places_tables_by_size_and_explains(emb):
     mesh = rd.Mesh(axes={"data": 2})
     plan = rd.plan(emb, "auto", mesh, memory_budget=2200)

@@ -63,6 +63,10 @@ def test_mesh_of_the_wrong_size_is_a_config_error():
     _, _, _, step = _captured("sgd")
     with pytest.raises(ConfigError, match="needs 16 devices"):
         compile(step, mesh=_Axes(data=2, model=8))
+    with pytest.raises(
+        ConfigError, match="recir.lower_tpu.compile: plan must be a recir.distributed.ShardingPlan"
+    ):
+        compile(step, {"slots": {}})  # a plan's dict form is not a plan: ShardingPlan.from_dict it
 
 
 def test_compile_with_a_sharding_plan_shards_state_and_matches_one_device():

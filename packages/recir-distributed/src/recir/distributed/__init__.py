@@ -35,6 +35,7 @@ from ._modes import column_wise as column_wise
 from ._modes import row_wise as row_wise
 from ._modes import table_wise as table_wise
 from ._plan import ShardingPlan as ShardingPlan
+from ._plan import as_plan as as_plan
 from ._plan import local_shape as local_shape
 from ._planner import annotate as annotate
 from ._planner import check_budget as check_budget
@@ -63,6 +64,7 @@ __all__ = [
     # plans
     "plan",
     "ShardingPlan",
+    "as_plan",
     "annotate",
     "check_budget",
     "local_shape",

@@ -176,7 +176,10 @@ class ShardingPlan:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+        """Write the plan as JSON, atomically (a reader sees the old file or the new one)."""
+        from ._checkpoint_manager import write_atomically
+
+        write_atomically(path, json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> ShardingPlan:
@@ -184,6 +187,16 @@ class ShardingPlan:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ShardingPlan) and self.to_dict() == other.to_dict()
+
+
+def as_plan(plan: object, where: str) -> ShardingPlan | None:
+    """``plan`` as a ShardingPlan (or None); anything else is a ConfigError naming ``where`` and the fix."""
+    if plan is None or isinstance(plan, ShardingPlan):
+        return plan
+    raise ConfigError(
+        f"{where}: plan must be a recir.distributed.ShardingPlan, got {type(plan).__name__}. "
+        "Fix: plan = recir.distributed.plan(step, mode, mesh), or ShardingPlan.load(path)."
+    )
 
 
 def describe(sh: Mapping[str, Any]) -> str:

@@ -12,10 +12,10 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
 
 import torch
 import torch.fx as fx
+from recir.distributed import ShardingPlan, as_plan
 from recir.embedding import CutHostSplit, FusedTBE, embedding_report, resolve_backend
 from recir.transforms import ConfigError, LoweringError, Pipeline, StepGraph, verify, verify_level
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -79,7 +79,7 @@ def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: Fake
 
 def compile(
     step: StepGraph,
-    plan: Any = None,
+    plan: ShardingPlan | None = None,
     *,
     device: torch.device | str | int | None = None,
     embedding_backend: str | None = None,
@@ -99,6 +99,7 @@ def compile(
             "recir.lower_gpu: dynamic StepGraphs are not lowered yet (the GPU path compiles static "
             "shapes). Fix: capture with mode='static' and pad or bucket batches to fixed shapes."
         )
+    plan = as_plan(plan, "recir.lower_gpu.compile")
     check_private_apis()
     if verify_level() >= 1:
         verify(step)
@@ -147,7 +148,7 @@ def _inductor(
     backend: str,
     dev: torch.device,
     options: GPUOptions,
-    plan: Any,
+    plan: ShardingPlan | None,
     pipeline: Pipeline,
     started: float,
 ) -> GPUCompiledStep:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import torch
 import torch.fx as fx
+from recir.distributed import ShardingPlan
 from recir.transforms import (
     OPTIMIZER_KEY,
     ConfigError,
@@ -54,7 +54,7 @@ class DistributeForLowering(Transform):
 
     @dataclasses.dataclass(frozen=True)
     class Options:
-        plan: Any = None
+        plan: ShardingPlan | None = None
 
     def run(self, step: StepGraph) -> TransformResult:
         out = distribute_for_lowering(step, self.options.plan)
@@ -143,7 +143,7 @@ def gpu_pipeline(
     step: StepGraph,
     *,
     options: GPUOptions,
-    plan: Any,
+    plan: ShardingPlan | None,
     device: torch.device,
     embedding_backend: str | None,
 ) -> Pipeline:
@@ -189,7 +189,7 @@ def gpu_pipeline(
 
 
 def _fused_tables(
-    step: StepGraph, backend: str, device: torch.device, options: GPUOptions, plan: Any
+    step: StepGraph, backend: str, device: torch.device, options: GPUOptions, plan: ShardingPlan | None
 ) -> list[str]:
     """The tables FBGEMM's fused TBE trains (none unless the fbgemm backend and ``fused_tbe``); logs why
     each other table, or the whole step, keeps the in-graph update."""

@@ -17,6 +17,7 @@ from typing import Any, Literal, overload
 
 import jax
 import torch
+from recir.distributed import ShardingPlan, as_plan
 from recir.embedding import CutHostSplit, HostEmbeddings, embedding_report, resolve_backend
 from recir.transforms import ConfigError, DataError, Pipeline, StepGraph, verify, verify_level
 from torch import nn
@@ -282,7 +283,7 @@ def _data_error_message(text: str) -> str:
 @overload
 def compile(
     step: StepGraph,
-    plan: Any = None,
+    plan: ShardingPlan | None = None,
     *,
     mesh: Any = None,
     embedding_backend: Literal["cpu"],
@@ -293,7 +294,7 @@ def compile(
 @overload
 def compile(
     step: StepGraph,
-    plan: Any = None,
+    plan: ShardingPlan | None = None,
     *,
     mesh: Any = None,
     embedding_backend: Literal["in_graph", "ring_shift"] | None = None,
@@ -304,7 +305,7 @@ def compile(
 @overload
 def compile(
     step: StepGraph,
-    plan: Any = None,
+    plan: ShardingPlan | None = None,
     *,
     mesh: Any = None,
     embedding_backend: str | None = None,
@@ -314,7 +315,7 @@ def compile(
 
 def compile(
     step: StepGraph,
-    plan: Any = None,
+    plan: ShardingPlan | None = None,
     *,
     mesh: Any = None,
     embedding_backend: str | None = None,
@@ -332,6 +333,7 @@ def compile(
     step is compiled (a ``HostSplitCompiledStep``; for tables larger than device memory). Compiles at
     the first call.
     """
+    plan = as_plan(plan, "recir.lower_tpu.compile")
     check_private_apis()
     if verify_level() >= 1:
         verify(step, transform="recir.lower_tpu.compile")

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from recir.distributed import ShardingPlan
 from recir.transforms import BatchSlot, ConfigError, StateSlot
 
 
@@ -39,8 +40,8 @@ def as_jax_mesh(mesh: Any) -> Mesh:
 class Placement:
     """The sharding of every state and batch slot (one device, or replicated over a mesh for now)."""
 
-    def __init__(self, mesh: Any = None, plan: Any = None):
-        self.plan = plan  # sharding plans come with the distribution issue; kept for then
+    def __init__(self, mesh: Any = None, plan: ShardingPlan | None = None):
+        self.plan = plan
         self.mesh = None if mesh is None else as_jax_mesh(mesh)
         self.device = jax.local_devices()[0]  # this process's first device (all of them, single-process)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.numpy as jnp
+from recir.distributed import ShardingPlan
 from recir.transforms import ConfigError
 
 from ._lowerings import pool_bags
@@ -23,9 +24,9 @@ from ._ring_kernel import ring_shift_lookup, ring_shift_scatter_add
 _MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("recir_lower_tpu_ring_mesh", default=None)
 
 
-def row_sharded_tables(plan: Any) -> dict[str, str]:
+def row_sharded_tables(plan: ShardingPlan | None) -> dict[str, str]:
     """State slot -> mesh axis of every slot the plan shards row-wise (``{}`` without a plan)."""
-    slots = getattr(plan, "slots", None) or {}
+    slots = plan.slots if plan is not None else {}
     return {
         name: str(sh.get("axis", "data"))
         for name, sh in slots.items()

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import torch.fx as fx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
+from recir.distributed import ShardingPlan
 from recir.transforms import SHARDING_KEY, BatchSlot, ConfigError, StateSlot
 
 from ._placement import Placement
@@ -36,14 +37,9 @@ def partition_spec(
 class PlannedPlacement(Placement):
     """Placement whose state and batch shardings follow a ShardingPlan (``plan.slots`` / ``plan.batch``)."""
 
-    def __init__(self, mesh: Any, plan: Any) -> None:
-        if mesh is None:
-            mesh = getattr(plan, "mesh", None)
-        if mesh is None:
-            raise ConfigError(
-                "recir.lower_tpu: a sharding plan needs a mesh. Fix: compile(step, plan, mesh=plan.mesh)"
-            )
-        super().__init__(mesh, plan)
+    def __init__(self, mesh: Any, plan: ShardingPlan) -> None:
+        super().__init__(plan.mesh if mesh is None else mesh, plan)
+        self.plan: ShardingPlan = plan
         assert self.mesh is not None
         # GSPMD partitions freely only over Auto axes (Explicit axes make every op state its sharding).
         names = tuple(self.mesh.axis_names)
@@ -83,8 +79,8 @@ class PlannedPlacement(Placement):
         return f"mesh {self._axes} over {len(self.devices)} devices, sharded by plan {self.plan.mode}"
 
 
-def placement_for(mesh: Any, plan: Any) -> Placement:
+def placement_for(mesh: Any, plan: ShardingPlan | None) -> Placement:
     """The hook for ``compile``: a plan-driven placement when a ShardingPlan is given, else the default."""
-    if plan is None or not hasattr(plan, "slots"):
-        return Placement(mesh, plan)
+    if plan is None:
+        return Placement(mesh)
     return PlannedPlacement(mesh, plan)
