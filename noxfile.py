@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import tomllib
@@ -46,28 +47,29 @@ def _sync(session: nox.Session, *args: str) -> None:
     )
 
 
-# The FBGEMM and TorchRec releases built for each torch (same minor numbers for both): FBGEMM's compiled
-# operators load only into the torch they were built against, and neither package's metadata says which
-# that is, so a resolver alone pairs them wrongly. Add a row when FBGEMM publishes a release for a new torch.
-FBGEMM_FOR_TORCH = {"2.9": "1.4", "2.10": "1.5", "2.11": "1.6", "2.12": "1.7", "2.13": "1.8", "2.14": "1.9"}
+# The FBGEMM and TorchRec releases built for each torch: one home, recir-embedding's `_versions.py` (standard
+# library only, so it runs here without torch).
+FBGEMM_FOR_TORCH = runpy.run_path("packages/recir-embedding/src/recir/embedding/_versions.py")[
+    "FBGEMM_FOR_TORCH"
+]
 # TorchRec hard-depends on FBGEMM's CUDA build, which fails to load without CUDA: drop that edge (as the
-# root pyproject's override does for the lock); recir-embedding[cpu] brings fbgemm-gpu-cpu instead.
+# root pyproject's override does for the lock); recir-embedding[fbgemm-cpu] brings fbgemm-gpu-cpu instead.
 UNLOCKED_OVERRIDES = ["fbgemm-gpu; sys_platform == 'never'"]
 # The dev group's test tools (ruff and mypy are lint's).
 TEST_REQUIREMENTS = ["pytest>=8.3", "pyyaml>=6"]
 
 
 def _declared_requirements() -> list[str]:
-    """Every workspace package (editable, recir-embedding with its `cpu` extra) plus each package's declared
+    """Every workspace package (editable, recir-embedding with its `fbgemm-cpu` extra) plus each package's declared
     third-party requirements as direct ones, so `--resolution lowest-direct` takes every declared lower bound."""
     reqs: list[str] = []
     for pyproject in sorted(glob.glob("packages/*/pyproject.toml")):
         with open(pyproject, "rb") as f:
             project = tomllib.load(f)["project"]
         folder = os.path.dirname(pyproject)
-        extra = "[cpu]" if project["name"] == "recir-embedding" else ""
+        extra = "[fbgemm-cpu]" if project["name"] == "recir-embedding" else ""
         reqs += ["-e", f"./{folder}{extra}"]
-        declared = project["dependencies"] + project.get("optional-dependencies", {}).get("cpu", [])
+        declared = project["dependencies"] + project.get("optional-dependencies", {}).get("fbgemm-cpu", [])
         reqs += [r for r in declared if not r.startswith("recir-")]
     return reqs + TEST_REQUIREMENTS
 
@@ -105,7 +107,7 @@ def _unlocked_sync(session: nox.Session, resolution: str) -> dict[str, str]:
         fbgemm = FBGEMM_FOR_TORCH.get(match.group(1))
         if fbgemm is None:
             session.error(
-                f"resolved torch {match.group(1)}, for which FBGEMM_FOR_TORCH in noxfile.py names no "
+                f"resolved torch {match.group(1)}, for which FBGEMM_FOR_TORCH (recir-embedding's _versions.py) names no "
                 f"FBGEMM/TorchRec release (known: {', '.join(FBGEMM_FOR_TORCH)}); add the row once FBGEMM "
                 "publishes one"
             )
@@ -226,14 +228,21 @@ STANDALONE = {
     "recir-lower-gpu": ("recir.lower_gpu", ("jax", "torchax", "torchrec", "fbgemm_gpu", "recir.capture")),
     "recir-lower-tpu": ("recir.lower_tpu", ("torchrec", "fbgemm_gpu", "recir.capture", "recir.lower_gpu")),
 }
+# What the tests of a package alone may still use: recir-capture builds their train steps (installed without
+# its dependencies, so nothing else comes with it). A test whose own code imports anything else absent is
+# skipped (conftest.py, RECIR_TESTS_WITHOUT); library code importing it still fails.
+STANDALONE_TEST_SIBLINGS = ["packages/recir-capture"]
+OPTIONAL_MODULES = (
+    "jax torchax torchrec fbgemm_gpu tensorboard recir.capture recir.distributed recir.embedding"
+)
+OPTIONAL_MODULES += " recir.lower_gpu recir.lower_tpu recir.dlrmv3"
 
 
 @nox.session(python=PYTHON)
 @nox.parametrize("package", sorted(STANDALONE))
 def standalone(session: nox.Session, package: str) -> None:
-    """One library package installed alone (its declared dependencies only): it imports, and what it must not
-    need is absent. Its tests are not run here: they build steps with recir-capture and compare against
-    TorchRec, which are test-time dependencies (the cpu session runs them)."""
+    """One library package installed alone (its declared dependencies only): it imports, what it must not need
+    is absent, and its tests pass (those needing TorchRec, FBGEMM or an undeclared sibling are skipped)."""
     module, absent = STANDALONE[package]
     _sync(session, "--package", package, "--no-default-groups")
     session.run(
@@ -246,6 +255,14 @@ def standalone(session: nox.Session, package: str) -> None:
         f"sys.exit(f'{package} alone: missing public names {{missing}}' if missing else "
         f"f'{package} pulled in {{bad}}' if bad else 0)",
     )
+    siblings = [s for s in STANDALONE_TEST_SIBLINGS if not s.endswith(package)]
+    editable = [arg for s in siblings for arg in ("-e", s)]
+    session.run_install("uv", "pip", "install", *TEST_REQUIREMENTS, silent=True)
+    if editable:
+        session.run_install("uv", "pip", "install", "--no-deps", *editable, silent=True)
+    env = {**BASE_ENV, "JAX_PLATFORMS": "cpu", "RECIR_TESTS_WITHOUT": OPTIONAL_MODULES.replace(" ", ",")}
+    tests = f"packages/{package}/tests"
+    session.run("pytest", tests, "-m", "not gpu", "-p", "no:cacheprovider", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON)

@@ -4,8 +4,10 @@ match the eager interpreter: FSDP's all-gather / reduce-scatter / all-reduce bec
 
 from __future__ import annotations
 
+import pytest
 from _distributed_workers import compiled_matches_eager, spawn
 
 
 def test_fsdp_step_compiles_with_inductor_on_two_ranks():
+    pytest.importorskip("recir.lower_gpu")  # the ranks compile with it (a test-time sibling)
     spawn(compiled_matches_eager, 2, "mlp", ["fsdp"], 3)

@@ -22,12 +22,13 @@ from recir.embedding import (
 )
 from recir.embedding._testing import build_step
 from recir.transforms import apply_overrides
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 TABLES = [EmbeddingTable("t1", 10, 4, ("f1", "f2")), EmbeddingTable("t2", 5, 2, ("f3",), pooling="mean")]
 
 
 def kjt(values, lengths, keys=("f1", "f2", "f3")):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     return KeyedJaggedTensor(keys=list(keys), values=torch.tensor(values), lengths=torch.tensor(lengths))
 
 
@@ -159,6 +160,8 @@ def test_split_samples_round_trips_with_static_shapes(weighted):
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(0, 4, (3 * 6,), generator=gen)
     n = int(lengths.sum())
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     k = KeyedJaggedTensor(
         keys=["f1", "f2", "f3"],
         values=torch.randint(0, 10, (n,), generator=gen),
