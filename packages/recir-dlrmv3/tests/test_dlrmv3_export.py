@@ -4,8 +4,12 @@ those of the trained model evaluated eagerly (same eval batches)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import torch.utils._pytree as pytree
 from recir.dlrmv3 import TrainOptions, train
 from recir.dlrmv3._cli import main
 from recir.dlrmv3._export import export_model, predict
@@ -42,3 +46,78 @@ def test_predict_cli_errors(tmp_path, capsys):
     assert "no manifest beside the artifact" in capsys.readouterr().err
     assert main(["predict", "--artifact", str(tmp_path / "x"), "--num_batches", "0"]) == 2
     assert "--num_batches must be >= 1" in capsys.readouterr().err
+
+
+def _eager_and_served_logits(ckpt, artifact, num_batches):
+    """Per eval batch: the checkpoint's model in `eval()` and the exported artifact, on the same batches."""
+    from recir.dlrmv3._checkpoint import load_checkpoint
+    from recir.dlrmv3._export import _options, _runner
+    from recir.dlrmv3._train import build
+    from recir.dlrmv3._trainers import load_slots_into_model
+
+    state, meta = load_checkpoint(str(ckpt))
+    model, data, _ = build(_options(meta["options"]))
+    load_slots_into_model(model, state)
+    model.eval()
+    manifest = json.loads(Path(f"{artifact}.json").read_text())
+    arrays = np.load(artifact.parent / manifest["state_file"]) if manifest["state_file"] else {}
+    run = _runner(manifest["dlrmv3"]["target"], str(artifact), [arrays[s["name"]] for s in manifest["state"]],
+                  manifest)  # fmt: skip
+    pairs = []
+    with torch.no_grad():
+        for batch in data.eval_batches(num_batches):
+            pairs.append((model(batch), run(pytree.tree_leaves(batch))))
+    return pairs
+
+
+#: Measured on the fixture's model (6 eager steps; 3 eval batches of 4 users x 3 candidates): max |logit
+#: delta| against eager eval() 1.1e-4 (int8) and 5.0e-6 (fp16); NE delta 2e-7; accuracy, AUC and GAUC
+#: identical. Bounds: about 3x the logit deltas; NE 1e-5; the other metrics 1e-3 (one flipped pair of
+#: 36 examples would move AUC by more, so any ranking change fails).
+QUANT_LOGIT_BOUND = {"int8": 3e-4, "fp16": 2e-5}
+QUANT_NE_BOUND = 1e-5
+QUANT_METRIC_BOUND = 1e-3
+
+
+@pytest.mark.parametrize(
+    "target,quantize,bake", [("tpu", "int8", False), ("tpu", "fp16", True), ("gpu", "int8", True)],
+    ids=["jax-export-int8", "jax-export-fp16-baked", "aot-inductor-int8-baked"],
+)  # fmt: skip
+def test_quantised_export_stays_within_the_measured_accuracy_delta(trained, target, quantize, bake, tmp_path):
+    ckpt, metrics = trained
+    out = tmp_path / f"model.{target}"
+    manifest = export_model(str(ckpt), target, str(out), log=lambda _line: None, quantize=quantize, bake=bake)
+    assert (
+        manifest["dlrmv3"]["quantize"] == quantize and manifest["meta"]["recir.quantize"]["dtype"] == quantize
+    )
+    tables = manifest["meta"]["recir.quantize"]["tables"]
+    assert sorted(tables) == [
+        f"param:ec.embeddings.{t}.weight" for t in ("dummy_contextual", "post_id", "viewer_id")
+    ]
+    specs = {s["name"]: s["dtype"] for s in manifest["baked_state" if bake else "state"]}
+    assert (
+        specs["param:ec.embeddings.post_id.weight_" + quantize]
+        == {"int8": "uint8", "fp16": "float16"}[quantize]
+    )
+    assert (manifest["state_file"] is None) == bake and (manifest["state"] == []) == bake
+    deltas = [(eager - served).abs().max().item() for eager, served in _eager_and_served_logits(ckpt, out, 3)]
+    assert 0 < max(deltas) <= QUANT_LOGIT_BOUND[quantize], deltas  # 0: the tables were not quantised
+    got = predict(str(out), num_batches=3, log=lambda _line: None)
+    for k, v in metrics.items():
+        bound = QUANT_NE_BOUND if k.endswith("/ne") else QUANT_METRIC_BOUND
+        assert abs(got[k] - v) <= bound, (k, got[k], v)
+
+
+def test_export_cli_quantize_and_bake_flags(trained, tmp_path, capsys):
+    ckpt, _ = trained
+    out = tmp_path / "model.tpu"
+    args = ["--checkpoint", str(ckpt), "--target", "tpu", "--out", str(out), "--quantize", "int8", "--bake"]
+    assert main(["export", *args]) == 0
+    manifest = json.loads((tmp_path / "model.tpu.json").read_text())
+    assert manifest["dlrmv3"]["quantize"] == "int8" and manifest["dlrmv3"]["bake"] is True
+    assert manifest["state"] == [] and not (tmp_path / "model.tpu.state.npz").exists()
+    assert main(["predict", "--artifact", str(out), "--num_batches", "1"]) == 0  # no state file: baked
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["export", *args[:-3], "--quantize", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

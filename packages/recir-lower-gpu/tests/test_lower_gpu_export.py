@@ -7,10 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import recir.lower_gpu as lg
 import torch
 from recir.capture import capture_train_step, testing
-from recir.transforms import to_inference
+from recir.embedding import QuantizeTables
+from recir.transforms import ConfigError, to_inference
 
 _CHILD = r"""
 import sys
@@ -49,6 +51,49 @@ def test_exported_package_runs_with_torch_alone(tmp_path, lower_gpu_cache_dir, m
     torch.save(
         {"state": list(state), "batch": serving.signature.flatten_batch(batch)}, tmp_path / "inputs.pt"
     )
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "model.pt2"), str(tmp_path / "inputs.pt")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"  # no recir module was loaded
+    torch.testing.assert_close(torch.load(tmp_path / "inputs.pt.out"), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,baked", [("int8", True), ("fp16", False)], ids=["int8-baked", "fp16-inputs"])
+def test_quantised_serving_graph_exports_with_baked_or_input_state(
+    tmp_path, lower_gpu_cache_dir, monkeypatch, dtype, baked
+):
+    """Quantised tables (recir-embed-quantize-tables) are plain ATen: the package still runs with torch
+    alone, the tables either compiled in as constants (``baked_state``) or passed as inputs."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", lower_gpu_cache_dir)
+    torch.manual_seed(0)
+    model = testing.ServingModel()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    batch = testing.serving_batch()
+    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
+    quantized = QuantizeTables(dtype=dtype)(serving).step
+    state = quantized.init_state(model, opt)
+    float_state = serving.init_state(model, opt)  # the float table where the quantised one belongs
+    float_state += [torch.zeros(2)] * (len(state) - len(float_state))
+    with pytest.raises(
+        ConfigError, match=r"state slot 'param:emb.weight_(int8|fp16)' is (uint8|float16)\[20, 4\]"
+    ):
+        lg.export(quantized, tmp_path / "bad.pt2", device="cpu", baked_state=float_state)
+    manifest = lg.export(
+        quantized, tmp_path / "model.pt2", device="cpu", baked_state=state if baked else None
+    )
+    specs = manifest["baked_state" if baked else "state"]
+    assert manifest["state" if baked else "baked_state"] == []
+    table = {"int8": [("param:emb.weight_int8", "uint8"), ("param:emb.weight_qscale", "float32"),
+                      ("param:emb.weight_qbias", "float32")], "fp16": [("param:emb.weight_fp16", "float16")]}[dtype]  # fmt: skip
+    assert [(s["name"], s["dtype"]) for s in specs[: len(table)]] == table
+    assert manifest["meta"]["recir.quantize"]["dtype"] == dtype
+    assert ("(*batch) -> (*outputs)" in manifest["format"]) == baked
+
+    _, (expected,) = quantized(state, batch)
+    inputs = {"state": [] if baked else list(state), "batch": quantized.signature.flatten_batch(batch)}
+    torch.save(inputs, tmp_path / "inputs.pt")
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path / "model.pt2"), str(tmp_path / "inputs.pt")],
         capture_output=True, text=True, timeout=600,

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from recir.capture import capture_train_step, testing
+from recir.embedding import QuantizeTables
 from recir.lower_tpu import compile
-from recir.transforms import to_inference
+from recir.transforms import ConfigError, to_inference
 
 pytestmark = pytest.mark.tpu
 
@@ -28,10 +29,23 @@ manifest = json.load(open(path + ".json"))
 data = np.load(inputs)
 state = [data[f"s{i}"] for i in range(len(manifest["state"]))]
 batch = [data[f"b{i}"] for i in range(len(manifest["batch"]))]
-_, outs = exp.call(state, batch)
+outs = exp.call(batch) if manifest["baked_state"] else exp.call(state, batch)[1]
 np.save(inputs + ".out.npy", np.asarray(outs[0]))
 print("torch" in sys.modules and sys.modules["torch"] is not None)
 """
+
+
+def _run_with_jax_alone(tmp_path, state, flat, batch_specs):
+    arrays = {f"s{i}": t.numpy() for i, t in enumerate(state)}
+    arrays |= {f"b{i}": t.numpy().astype(spec["dtype"]) for i, (t, spec) in enumerate(zip(flat, batch_specs))}
+    np.savez(tmp_path / "inputs.npz", **arrays)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "model.jaxexport"), str(tmp_path / "inputs.npz")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"  # torch was never imported
+    return np.load(tmp_path / "inputs.npz.out.npy")
 
 
 def test_exported_serving_graph_runs_with_jax_alone(tmp_path):
@@ -43,6 +57,7 @@ def test_exported_serving_graph_runs_with_jax_alone(tmp_path):
     serving = to_inference(step, "aux.0")
     compiled = compile(serving)
     manifest = compiled.export(tmp_path / "model.jaxexport")
+    assert manifest["baked_state"] == []
     on_disk = json.loads((tmp_path / "model.jaxexport.json").read_text())
     assert (
         on_disk["outputs"] == manifest["outputs"] == [{"name": "aux.0", "shape": [2, 2], "dtype": "float32"}]
@@ -52,17 +67,33 @@ def test_exported_serving_graph_runs_with_jax_alone(tmp_path):
 
     state = serving.init_state(model, opt)
     _, (expected,) = serving(state, batch)
-    flat = serving.signature.flatten_batch(batch)
-    arrays = {f"s{i}": t.numpy() for i, t in enumerate(state)}
-    arrays |= {
-        f"b{i}": t.numpy().astype(spec["dtype"]) for i, (t, spec) in enumerate(zip(flat, on_disk["batch"]))
-    }
-    np.savez(tmp_path / "inputs.npz", **arrays)
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "model.jaxexport"), str(tmp_path / "inputs.npz")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "False"  # torch was never imported
-    got = np.load(tmp_path / "inputs.npz.out.npy")
+    got = _run_with_jax_alone(tmp_path, state, serving.signature.flatten_batch(batch), on_disk["batch"])
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,baked", [("int8", True), ("fp16", False), ("none", True)])
+def test_quantised_or_baked_serving_graph_runs_with_jax_alone(tmp_path, dtype, baked):
+    """Quantised tables (recir-embed-quantize-tables) are plain ATen, so the artifact still runs with JAX
+    alone; ``baked_state`` embeds the state as StableHLO constants (the call takes the batch alone)."""
+    torch.manual_seed(0)
+    model = testing.ServingModel()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    batch = testing.serving_batch()
+    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
+    step = serving if dtype == "none" else QuantizeTables(dtype=dtype)(serving).step
+    state = step.init_state(model, opt)
+    compiled = compile(step)
+    if baked:
+        with pytest.raises(ConfigError, match=r"expected \d+ state tensors \(signature order\), got 1"):
+            compiled.export(tmp_path / "bad.jaxexport", baked_state=state[:1])
+    manifest = compiled.export(tmp_path / "model.jaxexport", baked_state=state if baked else None)
+    specs = manifest["baked_state" if baked else "state"]
+    assert manifest["state" if baked else "baked_state"] == []
+    assert [s["name"] for s in specs] == step.signature.state_names()
+    if dtype != "none":
+        assert manifest["meta"]["recir.quantize"]["dtype"] == dtype
+        assert specs[0]["dtype"] == {"int8": "uint8", "fp16": "float16"}[dtype]
+    _, (expected,) = step(state, batch)
+    flat = step.signature.flatten_batch(batch)
+    got = _run_with_jax_alone(tmp_path, [] if baked else state, flat, manifest["batch"])
     np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)

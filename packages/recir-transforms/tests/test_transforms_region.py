@@ -86,6 +86,28 @@ def test_region_entries_sharing_one_val_stay_distinct():
     _assert_same_run(step, ref, state, batch)
 
 
+def test_region_replace_reads_extra_inputs_from_outside():
+    """``extra_inputs``: values the replacement reads that the old nodes did not (a swap to another
+    parameter, as recir-embed-quantize-tables reads its quantised table), after the entries."""
+    step, state, batch = mlp_sgd_step()
+    (scale,) = (n for n in step.graph.nodes if n.name == "buffer_scale")
+    region = Region(step, _named(step, "mm", "add", "relu"), "fc1")
+    with pytest.raises(ConfigError, match="extra input %mm is a node of the region"):
+        region.replace(lambda x, w, b, s: x, extra_inputs=_named(step, "mm"))
+    new = region.replace(
+        lambda x, w, b, s: torch.clamp_min(torch.addmm(b, x, w), 0.0) * s, extra_inputs=[scale]
+    )
+    assert scale in new.inputs
+    verify(step, level=2)
+    ref, _, _ = mlp_sgd_step()
+    state = [t.clone() for t in state]
+    state[step.signature.state_index("buffer:scale")] = torch.tensor(1.0)  # x * 1.0: the same step
+    _assert_same_run(step, ref, state, batch)
+    state[step.signature.state_index("buffer:scale")] = torch.tensor(2.0)
+    with pytest.raises(AssertionError):
+        _assert_same_run(step, ref, state, batch)
+
+
 def test_region_rejects_non_convex_and_wrong_replacements():
     step, _, _ = mlp_sgd_step()
     with pytest.raises(ConfigError, match="not convex"):

@@ -265,6 +265,15 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
     ex.add_argument("--checkpoint", required=True, help="a step-N checkpoint, or a directory (its latest)")
     ex.add_argument("--target", required=True, choices=("gpu", "tpu"), help="the serving stack")
     ex.add_argument("--out", required=True, help="the artifact's path (OUT.json and OUT.state.npz beside it)")
+    ex.add_argument(
+        "--quantize",
+        choices=("none", "int8", "fp16"),
+        default="none",
+        help="store the embedding tables int8 (row-wise scale and bias, as FBGEMM) or fp16 (default %(default)s)",
+    )
+    ex.add_argument(
+        "--bake", action="store_true", help="compile the parameters into the artifact (no OUT.state.npz)"
+    )
     _add_logging(ex)
     pd = sub.add_parser(
         "predict",
@@ -336,7 +345,14 @@ def _run(args: argparse.Namespace) -> int:
             from ._logs import log_info
 
             if args.command == "export":
-                export_model(args.checkpoint, args.target, args.out, log=log_info)
+                export_model(
+                    args.checkpoint,
+                    args.target,
+                    args.out,
+                    log=log_info,
+                    quantize=args.quantize,
+                    bake=args.bake,
+                )
             elif args.num_batches < 1:
                 print(f"error: --num_batches must be >= 1, got {args.num_batches}", file=sys.stderr)
                 return 2

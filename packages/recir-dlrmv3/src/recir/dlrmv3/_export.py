@@ -4,8 +4,9 @@
 training step, turns it into the serving graph (`recir.transforms.to_inference`: the multitask logits,
 no dropout) and writes an AOTInductor package (`--target gpu`, runs with torch alone) or a `jax.export`
 artifact (`--target tpu`, runs with JAX alone), the manifest beside it and the parameters as
-`<out>.state.npz`. `predict` runs such an artifact over a dataset's eval batches and prints the
-metrics `train` prints.
+`<out>.state.npz` (or, `--bake`, inside the artifact as constants). `--quantize int8|fp16` stores the
+embedding tables row-wise quantised (recir-embed-quantize-tables). `predict` runs such an artifact over a
+dataset's eval batches and prints the metrics `train` prints.
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ def _options(recorded: dict[str, Any], **changes: Any) -> TrainOptions:
 
 
 def export_model(
-    checkpoint: str, target: str, out: str, log: Callable[[str], None] = print
+    checkpoint: str,
+    target: str,
+    out: str,
+    log: Callable[[str], None] = print,
+    quantize: str | None = None,
+    bake: bool = False,
 ) -> dict[str, Any]:
-    """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest."""
+    """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest.
+
+    `quantize`: `"int8"` or `"fp16"` embedding tables (None: float32 as trained); `bake`: the parameters
+    compiled into the artifact (no `.state.npz`)."""
     from recir.capture import capture_train_step
     from recir.distributed import write_atomically
-    from recir.embedding import overrides
-    from recir.transforms import to_inference
+    from recir.embedding import QUANT_DTYPES, QuantizeTables, overrides
+    from recir.transforms import Pipeline, to_inference
 
     from ._checkpoint import load_checkpoint
     from ._model import loss_fn
@@ -51,6 +60,9 @@ def export_model(
 
     if target not in ("gpu", "tpu"):
         raise ConfigError(f"--target must be gpu or tpu for export, got {target!r}")
+    if quantize not in (None, "none", *QUANT_DTYPES):
+        raise ConfigError(f"--quantize must be one of none, {', '.join(QUANT_DTYPES)}; got {quantize!r}")
+    quantize = None if quantize == "none" else quantize
     state, meta = load_checkpoint(checkpoint)
     opts = _options(meta.get("options", {}), target=target)
     model, data, optimizers = build(opts)
@@ -59,30 +71,45 @@ def export_model(
     log(f"export: {checkpoint} (step {meta.get('step')}) for --target {target}")
     step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
     serving = to_inference(step)  # aux.0: the multitask logits
+    if quantize is not None:
+        pipeline = Pipeline([QuantizeTables(dtype=quantize)], name="serving")
+        serving = pipeline.run(serving)
+        stats = pipeline.records[-1].stats
+        log(
+            f"export: {stats.get('tables', 0)} table(s) stored {quantize}: {stats.get('table_bytes', 0)} -> "
+            f"{stats.get('quantized_bytes', 0)} bytes"
+        )
     tensors = serving.init_state(model, optimizers)
     out_path = Path(out)
     state_file = Path(f"{out_path}.state.npz")
-    buffer = io.BytesIO()
-    np.savez(buffer, **{s.name: t.detach().cpu().numpy() for s, t in zip(serving.signature.state, tensors)})
-    write_atomically(state_file, buffer.getvalue())
+    if not bake:
+        buffer = io.BytesIO()
+        np.savez(
+            buffer, **{s.name: t.detach().cpu().numpy() for s, t in zip(serving.signature.state, tensors)}
+        )
+        write_atomically(state_file, buffer.getvalue())
     extra = {
-        "state_file": state_file.name,
+        "state_file": None if bake else state_file.name,
         "dlrmv3": {
             "target": target,
             "checkpoint": str(checkpoint),
             "step": meta.get("step"),
+            "quantize": quantize or "none",
+            "bake": bake,
             "options": dataclasses.asdict(opts),
         },
     }
+    baked = tensors if bake else None
     if target == "gpu":
         from recir.lower_gpu import export
 
-        manifest = export(serving, out_path, extra=extra)
+        manifest = export(serving, out_path, extra=extra, baked_state=baked)
     else:
         from recir.lower_tpu import compile
 
-        manifest = compile(serving).export(out_path, extra=extra)
-    log(f"export: wrote {out_path}, {state_file.name} and {out_path.name}.json")
+        manifest = compile(serving).export(out_path, extra=extra, baked_state=baked)
+    wrote = f"{out_path}" + ("" if bake else f", {state_file.name}")
+    log(f"export: wrote {wrote} and {out_path.name}.json")
     return manifest
 
 
@@ -113,8 +140,10 @@ def predict(
         changes["data_dir"] = data_dir
     opts = _options(info["options"], **changes)
     model, data, _ = build(opts)  # labels and batches only: the artifact computes the logits
-    arrays = np.load(Path(artifact).parent / manifest["state_file"])
-    state = [arrays[s["name"]] for s in manifest["state"]]
+    state: list[Any] = []
+    if manifest.get("state_file"):  # else the parameters are baked into the artifact
+        arrays = np.load(Path(artifact).parent / manifest["state_file"])
+        state = [arrays[s["name"]] for s in manifest["state"]]
     run = _runner(info["target"], artifact, state, manifest)
     acc = MetricAccumulator(tuple(t.name for t in data.spec.tasks))
     for batch in data.eval_batches(num_batches):
@@ -151,7 +180,7 @@ def _runner(
     def run_tpu(flat: list[Any]) -> torch.Tensor:
         with jax.enable_x64(bool(manifest.get("x64"))):
             batch = [np.asarray(t).astype(d) for t, d in zip(flat, dtypes)]
-            _, outs = exp.call(jstate, batch)
+            outs = exp.call(batch) if manifest.get("baked_state") else exp.call(jstate, batch)[1]
         return torch.from_numpy(np.asarray(outs[0]))
 
     return run_tpu

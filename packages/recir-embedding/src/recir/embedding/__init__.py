@@ -38,6 +38,12 @@ from ._table import tables_from_torchrec as tables_from_torchrec
 from ._tbe import FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
 from ._tbe import FusedTBE as FusedTBE
 from ._tbe import fused_tbe_tables as fused_tbe_tables
+from ._transforms.quantize_tables import QUANT_DTYPES as QUANT_DTYPES
+from ._transforms.quantize_tables import QUANTIZE_KEY as QUANTIZE_KEY
+from ._transforms.quantize_tables import QuantizedTableInitializer as QuantizedTableInitializer
+from ._transforms.quantize_tables import QuantizeTables as QuantizeTables
+from ._transforms.quantize_tables import dequantize_rows as dequantize_rows
+from ._transforms.quantize_tables import quantize_rows as quantize_rows
 from ._transforms.sparsify_update import SparsifyUpdate as SparsifyUpdate
 from ._transforms.split_host import HostSplit as HostSplit
 from ._transforms.split_host import SplitHostEmbeddings as SplitHostEmbeddings
@@ -81,6 +87,13 @@ __all__ = [
     "SplitHostEmbeddings",
     "split_host",
     "HostSplit",
+    # serving: tables stored row-wise quantised (int8 + scale/bias, fp16)
+    "QuantizeTables",
+    "QuantizedTableInitializer",
+    "quantize_rows",
+    "dequantize_rows",
+    "QUANTIZE_KEY",
+    "QUANT_DTYPES",
     "HostEmbeddings",
     "CutHostSplit",
     "ApplyEmbeddingBackend",

@@ -4,7 +4,8 @@ For serving: ``recir.transforms.to_inference(step)`` first. The embedding lookup
 ATen (recir-embedding's ``in_graph`` backend, no sparse updates, no run-time id checks), the graph is
 moved to ``device`` and exported with ``torch.export``, and AOTInductor compiles it into one package.
 Load it anywhere torch is: ``torch._inductor.aoti_load_package(path)(*state, *batch)`` returns the new
-state then the outputs; the manifest beside it (``path`` + ``.json``) lists them.
+state then the outputs; the manifest beside it (``path`` + ``.json``) lists them. With ``baked_state``
+the state is compiled into the package as constants and it is called ``(*batch) -> (*outputs)``.
 """
 
 from __future__ import annotations
@@ -14,17 +15,34 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import StepGraph
+from recir.transforms import INFERENCE_KEY, StepGraph
+from torch import nn
 
 from ._compile import resolve_device
 from ._prepare import copy_graph_module, retarget_devices
 
 log = logging.getLogger("recir.lower_gpu")
+
+
+class _BakedState(nn.Module):
+    """``gm`` with its state as buffers: ``forward(*batch) -> outputs``; torch.export lifts the buffers
+    and AOTInductor compiles them into the package as constants."""
+
+    def __init__(self, gm: nn.Module, state: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.n_state = len(state)
+        for i, t in enumerate(state):
+            self.register_buffer(f"state_{i}", t)
+
+    def forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state = [getattr(self, f"state_{i}") for i in range(self.n_state)]
+        return tuple(self.gm(*state, *batch)[self.n_state :])
 
 
 @contextlib.contextmanager
@@ -52,12 +70,16 @@ def export(
     *,
     device: Any = None,
     extra: Mapping[str, Any] | None = None,
+    baked_state: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Write ``step`` as an AOTInductor package to ``path`` (atomically) and a manifest beside it;
     returns the manifest. ``device``: CUDA when present, else the CPU (as ``compile``). ``extra``: more
-    manifest fields (e.g. the application's options)."""
+    manifest fields (e.g. the application's options). ``baked_state``: the state values
+    (``step.init_state(model)``) to compile into the package as constants; it then takes the batch
+    alone and returns the outputs alone (the manifest's ``state`` is empty, ``baked_state`` lists them).
+    """
     from recir.distributed import write_atomically
-    from recir.embedding import prepare_for_lowering
+    from recir.embedding import QUANTIZE_KEY, prepare_for_lowering
 
     dev = resolve_device(device)
     started = time.perf_counter()
@@ -67,28 +89,35 @@ def export(
     gm = copy_graph_module(prepared.graph_module)
     retarget_devices(gm, dev)
     sig = prepared.signature
+    module: nn.Module = gm
     example = [torch.zeros(s.shape, dtype=s.dtype, device=dev) for s in sig.state]
+    if baked_state is not None:
+        sig.check_state(baked_state, "recir.lower_gpu.export(baked_state=)")
+        module, example = _BakedState(gm, [t.detach().to(dev) for t in baked_state]), []
     example += [torch.zeros(b.shape, dtype=b.dtype, device=dev) for b in sig.batch]
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.pt2")
     with _no_global_side_effects():
-        program = torch.export.export(gm, tuple(example))
+        program = torch.export.export(module, tuple(example))
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
     os.replace(tmp, target)
 
     def spec(name: str, shape: Any, dtype: torch.dtype) -> dict[str, Any]:
         return {"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
+    call = "(*batch) -> (*outputs)" if baked_state is not None else "(*state, *batch) -> (*state, *outputs)"
+    state = [spec(s.name, s.shape, s.dtype) for s in sig.state]
     manifest = {
-        "format": "AOTInductor package; torch._inductor.aoti_load_package(path)(*state, *batch) -> (*state, *outputs) "
+        "format": f"AOTInductor package; torch._inductor.aoti_load_package(path){call} "
         "(import torch._inductor.codecache first on torch 2.10)",
         "device": str(dev),
         "versions": {"torch": torch.__version__},
-        "state": [spec(s.name, s.shape, s.dtype) for s in sig.state],
+        "state": [] if baked_state is not None else state,
+        "baked_state": state if baked_state is not None else [],
         "batch": [spec(b.name, b.shape, b.dtype) for b in sig.batch],
         "outputs": [spec(o.name, o.shape, o.dtype) for o in sig.outputs],
-        "meta": {k: v for k, v in step.meta.items() if k == "recir.inference"},
+        "meta": {k: v for k, v in step.meta.items() if k in (INFERENCE_KEY, QUANTIZE_KEY)},
         **(extra or {}),
     }
     write_atomically(f"{target}.json", json.dumps(manifest, indent=2, default=str))

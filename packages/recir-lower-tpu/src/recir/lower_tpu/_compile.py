@@ -173,38 +173,62 @@ class TPUCompiledStep:
             ]
             return self._jitted.lower(state, batch)
 
-    def export(self, path: str | os.PathLike[str], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        extra: Mapping[str, Any] | None = None,
+        baked_state: Sequence[torch.Tensor] | None = None,
+    ) -> dict[str, Any]:
         """Write the step as a serialised ``jax.export`` artifact (StableHLO) to ``path`` and a manifest
         beside it (``path`` + ``.json``: inputs, outputs, shapes, dtypes, versions); returns the manifest.
 
         The artifact needs only JAX to run: ``exp = jax.export.deserialize(open(path, "rb").read())``,
         then ``new_state, outputs = exp.call(state, batch)`` with arrays in the manifest's order, shapes
-        and dtypes (for a serving graph, ``recir.transforms.to_inference(step)`` first). Both files are
-        written atomically. Single-device layout: a mesh's shardings are not exported. ``extra``: more
-        manifest fields (e.g. the application's options).
+        and dtypes (for a serving graph, ``recir.transforms.to_inference(step)`` first). With
+        ``baked_state`` (the state values, ``step.init_state(model)``) the state is embedded in the
+        program as constants and ``outputs = exp.call(batch)`` (the manifest's ``state`` is empty,
+        ``baked_state`` lists them). Both files are written atomically. Single-device layout: a mesh's
+        shardings are not exported. ``extra``: more manifest fields (e.g. the application's options).
         """
         from jax import export as jax_export
         from recir.distributed import write_atomically
+        from recir.embedding import QUANTIZE_KEY
+        from recir.transforms import INFERENCE_KEY
 
         sig = self.step.signature
+        if baked_state is not None:
+            sig.check_state(baked_state, "TPUCompiledStep.export(baked_state=)")
         with self._x64():
             state = [jax.ShapeDtypeStruct(s.shape, jax_dtype(s.dtype)) for s in sig.state]
             batch = [jax.ShapeDtypeStruct(b.shape, jax_dtype(b.dtype)) for b in sig.batch]
-            exported = jax_export.export(jax.jit(self._fn))(state, batch)
+            if baked_state is None:
+                exported = jax_export.export(jax.jit(self._fn))(state, batch)
+                out_avals = exported.out_avals[len(sig.state) :]
+            else:
+                device = jax.devices()[0]
+                constants = [to_jax(t, jax.sharding.SingleDeviceSharding(device)) for t in baked_state]
+                fn = self._fn
+
+                def serve(batch: list[jax.Array]) -> Any:
+                    return fn(constants, batch)[1]  # closed over: StableHLO constants
+
+                exported = jax_export.export(jax.jit(serve))(batch)
+                out_avals = exported.out_avals
 
             def spec(name: str, x: Any) -> dict[str, Any]:
                 return {"name": name, "shape": list(x.shape), "dtype": str(x.dtype)}
 
+            state_specs = [spec(s.name, x) for s, x in zip(sig.state, state)]
             manifest = {
-                "format": "jax.export (StableHLO), call as exp.call(state, batch)",
+                "format": "jax.export (StableHLO), call as "
+                + ("exp.call(batch) -> outputs" if baked_state is not None else "exp.call(state, batch)"),
                 "versions": {"jax": jax.__version__, "torch": torch.__version__},
                 "x64": self.x64,
-                "state": [spec(s.name, x) for s, x in zip(sig.state, state)],
+                "state": [] if baked_state is not None else state_specs,
+                "baked_state": state_specs if baked_state is not None else [],
                 "batch": [spec(b.name, x) for b, x in zip(sig.batch, batch)],
-                "outputs": [
-                    spec(o.name, x) for o, x in zip(sig.outputs, exported.out_avals[len(sig.state) :])
-                ],
-                "meta": {k: v for k, v in self.step.meta.items() if k == "recir.inference"},
+                "outputs": [spec(o.name, x) for o, x in zip(sig.outputs, out_avals)],
+                "meta": {k: v for k, v in self.step.meta.items() if k in (INFERENCE_KEY, QUANTIZE_KEY)},
                 **(extra or {}),
             }
         write_atomically(path, bytes(exported.serialize()))

@@ -95,11 +95,14 @@ class Region:
         phase: str | None = None,
         provenance: str | None = None,
         decompositions: dict[Any, Callable[..., Any]] | None = None,
+        extra_inputs: Sequence[fx.Node] = (),
     ) -> Region:
         """Replace the region by ``fn(*entry tensors) -> exit tensor(s)``, traced with make_fx on the entry ``val``s.
 
-        ``fn`` receives one FakeTensor per ``inputs`` entry and returns a tensor or a sequence of
-        ``len(outputs)`` tensors with the exits' shapes and dtypes. The traced nodes are spliced in with
+        ``fn`` receives one FakeTensor per ``inputs`` entry, then one per ``extra_inputs`` node (values
+        outside the region that the replacement reads and the old nodes did not, e.g. a new state slot's
+        placeholder), and returns a tensor or a sequence of ``len(outputs)`` tensors with the exits'
+        shapes and dtypes. The traced nodes are spliced in with
         their ``val``, the region's phase (or ``phase``), its ``recir.region`` ids plus ``name``,
         ``recir.override`` for recir::* ops, and ``provenance`` appended to ``recir.provenance``.
         Returns the Region of the new nodes; this one becomes unusable.
@@ -108,8 +111,16 @@ class Region:
             raise ConfigError(f"region {self.name!r} was already replaced")
         graph = self.step.graph
         phase = phase or self._single_phase()
+        members = set(self.nodes)
+        inside = [n.name for n in extra_inputs if n in members]
+        if inside:
+            raise ConfigError(
+                f"region {self.name!r}: extra input %{inside[0]} is a node of the region; extra inputs are "
+                "values from outside it"
+            )
+        entries = [*self.inputs, *extra_inputs]
         vals = []
-        for entry in self.inputs:
+        for entry in entries:
             val = entry.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 raise ConfigError(
@@ -126,14 +137,13 @@ class Region:
         new_outputs, created = _insert(
             graph,
             sub,
-            self.inputs,
-            before=self._insertion_point(),
+            entries,
+            before=self._insertion_point(extra_inputs),
             phase=phase,
             provenance=provenance,
             region_ids=region_ids,
             what=f"region {self.name!r}",
         )
-        members = set(self.nodes)
         for old, new_value in zip(self.outputs, new_outputs):
             old.replace_all_uses_with(new_value, delete_user_cb=lambda u: u not in members)
         for node in reversed(self.nodes):
@@ -174,12 +184,12 @@ class Region:
                     f"{format_val(b)}. Fix: return the same shapes and dtypes (or cast)"
                 )
 
-    def _insertion_point(self) -> fx.Node:
+    def _insertion_point(self, extra_inputs: Sequence[fx.Node] = ()) -> fx.Node:
         """The node before which the replacement goes: after every entry, before every outside user."""
         graph = self.step.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
         members = set(self.nodes)
-        last_entry = max((order[n] for n in self.inputs), default=-1)
+        last_entry = max((order[n] for n in [*self.inputs, *extra_inputs]), default=-1)
         first_region = order[self.nodes[0]]
         nodes = list(graph.nodes)
         at = max(first_region, last_entry + 1)

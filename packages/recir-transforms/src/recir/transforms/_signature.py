@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -9,7 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._batch_adapters import adapt_batch
-from ._errors import DataError
+from ._errors import ConfigError, DataError
 
 StateKind = Literal["param", "buffer", "optim", "rng"]
 BatchRole = Literal["dense", "ids", "lengths", "offsets", "label", "weight", "other"]
@@ -93,6 +94,22 @@ class Signature:
             if s.name == name:
                 return i
         raise KeyError(f"no state slot named {name!r}; the signature has {len(self.state)} slots")
+
+    def check_state(self, values: Sequence[Any], what: str = "state") -> None:
+        """ConfigError unless ``values`` has one tensor per state slot, each of its slot's shape and dtype."""
+        if len(values) != len(self.state):
+            raise ConfigError(
+                f"{what}: expected {len(self.state)} state tensors (signature order), got {len(values)}. "
+                "Fix: build them with step.init_state(model, optimizer)."
+            )
+        for slot, value in zip(self.state, values):
+            shape, dtype = tuple(getattr(value, "shape", ())), getattr(value, "dtype", None)
+            if shape != slot.shape or dtype != slot.dtype:
+                raise ConfigError(
+                    f"{what}: state slot {slot.name!r} is {_fmt_dtype(slot.dtype)}{_fmt_shape(slot.shape)}, the "
+                    f"value given is {dtype}{list(shape)}. Fix: build the state with step.init_state(model, "
+                    "optimizer) of this step (after the transforms that changed its slots)."
+                )
 
     def flatten_batch(self, batch: Any) -> list[torch.Tensor]:
         """Flatten a user batch into the slot order, checking structure, shapes and dtypes. Values a
