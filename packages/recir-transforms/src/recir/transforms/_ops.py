@@ -2,6 +2,13 @@
 
 They stand at graph boundaries for kernels a compiler must not see into (FBGEMM TBE, TorchRec),
 and each has a pure-ATen reference (``*_reference``) that in-graph backends and lowerings may use.
+
+Why the recommendation op ``recir::embedding_bag`` lives in this generic, torch-only leaf rather than in
+recir-embedding: recir-capture's ``EmbeddingBagOverride`` emits it for a plain ``nn.EmbeddingBag`` and
+capture depends on recir-transforms alone, and every StepGraph holding one must run in the reference
+interpreter and pass the verifier with only recir-transforms installed (the downstream teams that depend on
+it alone). recir-embedding owns everything built on it: the backends' kernels, sparse updates, quantised
+tables, TorchRec's ops (``recir::embedding`` and the rest are registered there).
 """
 
 from __future__ import annotations
