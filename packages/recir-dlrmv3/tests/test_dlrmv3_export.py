@@ -50,14 +50,14 @@ def test_predict_cli_errors(tmp_path, capsys):
 
 def _eager_and_served_logits(ckpt, artifact, num_batches):
     """Per eval batch: the checkpoint's model in `eval()` and the exported artifact, on the same batches."""
+    from recir.capture import load_into
     from recir.dlrmv3._checkpoint import load_checkpoint
     from recir.dlrmv3._export import _options, _runner
     from recir.dlrmv3._train import build
-    from recir.dlrmv3._trainers import load_slots_into_model
 
     state, meta = load_checkpoint(str(ckpt))
     model, data, _ = build(_options(meta["options"]))
-    load_slots_into_model(model, state)
+    load_into(model, (), state)
     model.eval()
     manifest = json.loads(Path(f"{artifact}.json").read_text())
     arrays = np.load(artifact.parent / manifest["state_file"]) if manifest["state_file"] else {}

@@ -10,6 +10,11 @@ from ._capture import OPTIMIZER_META as OPTIMIZER_META
 from ._capture import capture_train_step as capture_train_step
 from ._decomp import capture_decompositions as capture_decompositions
 from ._decomp import check_decomposition_table as check_decomposition_table
+from ._eager_state import is_parameter_step as is_parameter_step
+from ._eager_state import load_into as load_into
+from ._eager_state import shared_step_layout as shared_step_layout
+from ._eager_state import state_from as state_from
+from ._eager_state import with_shared_step as with_shared_step
 from ._embedding_bag_override import EmbeddingBagOverride as EmbeddingBagOverride
 from ._embedding_bag_override import EmbeddingBagStandIn as EmbeddingBagStandIn
 from ._functional_optim import ParamOptim as ParamOptim
@@ -27,6 +32,12 @@ __all__ = [
     "capture_train_step",
     "BucketedStep",
     "CaptureError",
+    # an eager model + optimizers as slot-named state, and back
+    "state_from",
+    "load_into",
+    "with_shared_step",
+    "shared_step_layout",
+    "is_parameter_step",
     # overrides
     "EmbeddingBagOverride",
     "EmbeddingBagStandIn",

@@ -48,7 +48,7 @@ def export_model(
 
     `quantize`: `"int8"` or `"fp16"` embedding tables (None: float32 as trained); `bake`: the parameters
     compiled into the artifact (no `.state.npz`)."""
-    from recir.capture import capture_train_step
+    from recir.capture import capture_train_step, load_into
     from recir.distributed import write_atomically
     from recir.embedding import QUANT_DTYPES, QuantizeTables, overrides
     from recir.transforms import Pipeline, to_inference
@@ -56,7 +56,6 @@ def export_model(
     from ._checkpoint import load_checkpoint
     from ._model import loss_fn
     from ._train import build
-    from ._trainers import load_slots_into_model
 
     if target not in ("gpu", "tpu"):
         raise ConfigError(f"--target must be gpu or tpu for export, got {target!r}")
@@ -66,7 +65,7 @@ def export_model(
     state, meta = load_checkpoint(checkpoint)
     opts = _options(meta.get("options", {}), target=target)
     model, data, optimizers = build(opts)
-    load_slots_into_model(model, state)
+    load_into(model, (), state)
     model.train()
     log(f"export: {checkpoint} (step {meta.get('step')}) for --target {target}")
     step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())

@@ -223,7 +223,7 @@ class DistributedTrainer:
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """This rank's shards (slots the mapping lacks keep their current values)."""
-        from ._optim import with_shared_step
+        from recir.capture import with_shared_step
 
         merged = self.state_dict()
         merged.update(with_shared_step(state))
@@ -232,10 +232,9 @@ class DistributedTrainer:
     def sync_model(self) -> DLRMv3:
         """Gathers the global state (collective: every rank calls it) into the live model."""
         import recir.distributed as rd
-
-        from ._trainers import load_slots_into_model
+        from recir.capture import load_into
 
         local = self.state_dict()
         full = rd.gather_state(self.plan, self.dstep, [local[s.name] for s in self.dstep.signature.state])
-        load_slots_into_model(self.model, full)
+        load_into(self.model, (), full)
         return self.model

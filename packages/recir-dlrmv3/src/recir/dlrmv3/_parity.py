@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from recir.capture import shared_step_layout
 from recir.transforms import lr_slot
 
 from ._logs import log_info
-from ._optim import shared_step_layout
 from ._options import TrainOptions
 from ._train import build
 from ._trainers import EagerTrainer, make_trainer

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import ConfigError, DataError, optim_slot, parse_slot_name
+from recir.capture import shared_step_layout, with_shared_step
+from recir.transforms import STEP_SLOT, ConfigError, DataError, optim_slot, parse_slot_name
 
 from ._checkpoint import resolve_checkpoint
-from ._optim import SHARED_STEP, shared_step_layout
 from ._options import TrainOptions
 from ._trainers import EagerTrainer, Trainer
 
@@ -253,8 +253,6 @@ def restore(trainer: Trainer, path: Path, opts: TrainOptions) -> None:
     dropped = {k for k in saved_c if k not in wanted_c}
     read = [k for k in saved if k not in dropped]
     state = load_resharded(path, trainer.checkpoint_plan, slots=read, verify=False)
-    if SHARED_STEP in wanted:
-        from ._optim import with_shared_step
-
+    if STEP_SLOT in wanted:
         state = {k: v for k, v in with_shared_step(state).items() if k in wanted}
     trainer.load_state_dict(state)

@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-from recir.transforms import ConfigError, buffer_slot, param_slot
+from recir.capture import load_into, state_from, with_shared_step
+from recir.transforms import ConfigError
 
 from ._batch import Batch
 from ._config import EMBEDDING_BACKENDS, PRECISIONS, TARGETS
 from ._model import DLRMv3, loss_fn
-from ._optim import load_optimizer_state, optimizer_state, with_shared_step
 
 _ENGINES = {"gpu": "recir.lower_gpu", "tpu": "recir.lower_tpu"}
 _RNG = "rng:torch_cpu"
@@ -76,29 +76,17 @@ class EagerTrainer:
         return loss.detach(), logits.detach()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {param_slot(n): p.detach() for n, p in self.model.named_parameters()}
-        state.update({buffer_slot(n): b for n, b in self.model.named_buffers()})
-        state.update(optimizer_state(self.model, self.optimizers))
+        state = state_from(self.model, self.optimizers)
         state[_RNG] = torch.get_rng_state()
         return {k: v.cpu() for k, v in state.items()} if self.device.type != "cpu" else state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        load_slots_into_model(self.model, state)
-        load_optimizer_state(self.model, self.optimizers, state)
+        load_into(self.model, self.optimizers, state)
         if _RNG in state:
             torch.set_rng_state(state[_RNG])
 
     def sync_model(self) -> DLRMv3:
         return self.model
-
-
-def load_slots_into_model(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
-    """Copies `param:*` / `buffer:*` slots into the model's tensors (names must match)."""
-    with torch.no_grad():
-        for slot_of, named in ((param_slot, model.named_parameters()), (buffer_slot, model.named_buffers())):
-            for name, t in named:
-                if slot_of(name) in state:
-                    t.copy_(torch.as_tensor(state[slot_of(name)]).to(t.dtype))
 
 
 def engine(target: str) -> Any:
@@ -219,7 +207,7 @@ class CompiledTrainer:
         self.state = self.compiled.load_state_dict(merged)
 
     def sync_model(self) -> DLRMv3:
-        load_slots_into_model(self.model, self.compiled.state_dict(self.state))
+        load_into(self.model, (), self.compiled.state_dict(self.state))
         return self.model
 
 
