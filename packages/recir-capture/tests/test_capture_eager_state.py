@@ -7,7 +7,14 @@ import copy
 
 import pytest
 import torch
-from recir.capture import capture_train_step, load_into, shared_step_layout, state_from, testing, with_shared_step
+from recir.capture import (
+    capture_train_step,
+    load_into,
+    shared_step_layout,
+    state_from,
+    testing,
+    with_shared_step,
+)
 from recir.transforms import STEP_SLOT
 
 CASE = testing.REFERENCE_CASES["embedding_bag"]
