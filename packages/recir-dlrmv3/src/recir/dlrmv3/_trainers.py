@@ -7,9 +7,9 @@ Every trainer exposes its state as one flat `slot name -> tensor` dict (the Step
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +20,6 @@ from ._batch import Batch
 from ._config import EMBEDDING_BACKENDS, PRECISIONS, TARGETS
 from ._model import DLRMv3, loss_fn
 
-_ENGINES = {"gpu": "recir.lower_gpu", "tpu": "recir.lower_tpu"}
 _RNG = "rng:torch_cpu"
 
 
@@ -89,25 +88,25 @@ class EagerTrainer:
         return self.model
 
 
-def engine(target: str) -> Any:
-    """The lowering module of `target`, with a clear error when it (or capture) is missing."""
-    if target not in _ENGINES:
+def engine(target: str) -> ModuleType:
+    """The lowering package of ``target`` (``recir.lower_gpu`` or ``recir.lower_tpu``), imported here rather
+    than with this package: recir.lower_tpu loads JAX and torchax, which `--help` and the eager target do
+    not need. A missing one is a ConfigError saying how to install it."""
+    if target not in ("gpu", "tpu"):
         raise ConfigError(f"unknown --target {target!r}; expected one of {', '.join(TARGETS)}")
-    name = _ENGINES[target]
     try:
-        mod = importlib.import_module(name)
-        capture = importlib.import_module("recir.capture")
+        if target == "gpu":
+            import recir.lower_gpu
+
+            return recir.lower_gpu
+        import recir.lower_tpu
+
+        return recir.lower_tpu
     except ImportError as e:
         raise ConfigError(
-            f"--target {target} needs {name} and recir.capture, which failed to import ({e}). "
+            f"--target {target} needs recir.lower_{target}, which failed to import ({e}). "
             "Fix: install the workspace with `uv sync`, or use --target eager."
         ) from None
-    if not hasattr(mod, "compile") or not hasattr(capture, "capture_train_step"):
-        raise ConfigError(
-            f"--target {target}: this installation's {name} has no compile() or recir.capture has no "
-            "capture_train_step() (the engine is not built yet). Fix: use --target eager."
-        )
-    return mod
 
 
 def _device_words(target: str) -> str:
