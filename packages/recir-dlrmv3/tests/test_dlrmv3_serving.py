@@ -123,3 +123,14 @@ def test_bad_requests_are_config_errors(trained, tmp_path):
                      candidates=0)  # fmt: skip
     with pytest.raises(ConfigError, match="--serving must be"):
         export_model(str(ckpt), "tpu", str(tmp_path / "x"), log=lambda _line: None, serving="cached")
+
+
+def test_export_cli_refuses_a_bad_candidate_count(trained, tmp_path, capsys):
+    from recir.dlrmv3._cli import main
+
+    ckpt, _, _ = trained
+    argv = ["export", "--checkpoint", str(ckpt), "--target", "tpu", "--out", str(tmp_path / "x"),
+            "--serving", "cached-history", "--candidates", "0"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "num_candidates 0 is outside 1..max_candidates" in err and "Fix:" in err
