@@ -10,6 +10,7 @@ import torch
 from recir.dlrmv3 import (
     CandidateScorer,
     HistoryEncoder,
+    MetricAccumulator,
     SyntheticDataset,
     TrainOptions,
     collate,
@@ -19,10 +20,10 @@ from recir.dlrmv3 import (
     train,
 )
 from recir.dlrmv3._checkpoint import load_checkpoint
-from recir.dlrmv3._export import _options, export_model
+from recir.dlrmv3._export import _options, export_model, predict
 from recir.dlrmv3._train import build
 from recir.dlrmv3._trainers import load_slots_into_model
-from recir.transforms import ConfigError
+from recir.transforms import ConfigError, DataError
 
 TINY = dict(batch_size=4, embedding_dim=16, num_layers=2, num_heads=2, uih_len=8, num_candidates=3,
             hash_size=200, num_eval_batches=2, num_threads=1)  # fmt: skip
@@ -134,3 +135,24 @@ def test_export_cli_refuses_a_bad_candidate_count(trained, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "num_candidates 0 is outside 1..max_candidates" in err and "Fix:" in err
+
+
+def test_predict_runs_the_cached_history_artifacts(trained, tmp_path):
+    ckpt, model, data = trained
+    out = tmp_path / "serve.tpu"
+    export_model(str(ckpt), "tpu", str(out), log=lambda _line: None, serving="cached-history")
+    got = predict(str(out), num_batches=2, log=lambda _line: None)
+    acc = MetricAccumulator(tuple(t.name for t in data.spec.tasks))
+    with torch.no_grad():
+        for batch in data.eval_batches(2):  # eager, full sequences, the normaliser pinned as served
+            batch.max_seq_len = torch.full_like(batch.max_seq_len, serving_max_len(model))
+            labels, weights = model.labels(batch)
+            acc.update(model(batch), labels, weights)
+    want = acc.compute()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    other = tmp_path / "five.tpu"
+    export_model(str(ckpt), "tpu", str(other), log=lambda _line: None, serving="cached-history", candidates=5)
+    with pytest.raises(DataError, match=r"4 users x 5 candidates .* Fix: export .* --candidates 3"):
+        predict(str(other), num_batches=1, log=lambda _line: None)

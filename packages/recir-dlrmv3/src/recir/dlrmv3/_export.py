@@ -165,21 +165,50 @@ def predict(
         changes["data_dir"] = data_dir
     opts = _options(info["options"], **changes)
     model, data, _ = build(opts)  # labels and batches only: the artifact computes the logits
-    state: list[Any] = []
-    if manifest.get("state_file"):  # else the parameters are baked into the artifact
-        arrays = np.load(Path(artifact).parent / manifest["state_file"])
-        state = [arrays[s["name"]] for s in manifest["state"]]
-    run = _runner(info["target"], artifact, state, manifest)
+    if manifest.get("serving") == "cached-history":
+        run = _cached_runner(artifact, model, manifest)
+    else:
+        state: list[Any] = []
+        if manifest.get("state_file"):  # else the parameters are baked into the artifact
+            arrays = np.load(Path(artifact).parent / manifest["state_file"])
+            state = [arrays[s["name"]] for s in manifest["state"]]
+        flat_run = _runner(info["target"], artifact, state, manifest)
+        run = lambda batch: flat_run(pytree.tree_leaves(batch))  # noqa: E731
     acc = MetricAccumulator(tuple(t.name for t in data.spec.tasks))
     for batch in data.eval_batches(num_batches):
         labels, weights = model.labels(batch)
-        acc.update(run(pytree.tree_leaves(batch)), labels, weights)
+        acc.update(run(batch), labels, weights)
     metrics = acc.compute()
     log(
         f"predict: {artifact} on {opts.dataset}, {num_batches} batch(es): "
         + " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     )
     return metrics
+
+
+def _cached_runner(artifact: str, model: Any, manifest: dict[str, Any]) -> Callable[[Any], torch.Tensor]:
+    """A batch -> logits through the two cached-history artifacts (history, then candidates), with the
+    normaliser pinned as exported (so logits equal eager ones on batches given that normaliser)."""
+    from ._serving import split_batch
+    from ._serving_export import load_cached_history
+
+    history_fn, candidates_fn = load_cached_history(artifact)
+    users, count = manifest["entries"]["candidates"]["inputs"][-1]["shape"]
+
+    def run(batch: Any) -> torch.Tensor:
+        history, cand_ids = split_batch(model, batch, manifest["max_seq_len"])
+        got_users, got_count = cand_ids.shape
+        if got_users != users or (manifest["target"] == "tpu" and got_count != count):
+            fixed = "users" if manifest["target"] == "gpu" else "users x candidates"
+            raise DataError(
+                f"{artifact}: exported for {users} users x {count} candidates per batch ({fixed} fixed), "
+                f"but the eval batches are {got_users} x {got_count}. Fix: export with the batch size of the "
+                "data" + ("" if manifest["target"] == "gpu" else f" and --candidates {got_count}")
+            )
+        logits: torch.Tensor = candidates_fn(*history_fn(*history.tensors()), cand_ids)
+        return logits
+
+    return run
 
 
 def _runner(
