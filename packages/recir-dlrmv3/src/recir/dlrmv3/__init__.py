@@ -51,6 +51,14 @@ _EXPORTS = {
     "MetricAccumulator": "_metrics",
     "auc": "_metrics",
     "normalized_entropy": "_metrics",
+    # serving: cached-history candidate scoring
+    "HistoryEncoder": "_serving",
+    "CandidateScorer": "_serving",
+    "HistoryInputs": "_serving",
+    "serving_max_len": "_serving",
+    "split_batch": "_serving",
+    "export_cached_history": "_serving_export",
+    "load_cached_history": "_serving_export",
     # checkpoints
     "save_checkpoint": "_checkpoint",
     "load_checkpoint": "_checkpoint",
@@ -88,6 +96,13 @@ if TYPE_CHECKING:
     from ._parity import run_parity as run_parity
     from ._prepare import prepare_kuairand as prepare_kuairand
     from ._prepare import prepare_movielens as prepare_movielens
+    from ._serving import CandidateScorer as CandidateScorer
+    from ._serving import HistoryEncoder as HistoryEncoder
+    from ._serving import HistoryInputs as HistoryInputs
+    from ._serving import serving_max_len as serving_max_len
+    from ._serving import split_batch as split_batch
+    from ._serving_export import export_cached_history as export_cached_history
+    from ._serving_export import load_cached_history as load_cached_history
     from ._synthetic import SyntheticDataset as SyntheticDataset
     from ._train import TrainResult as TrainResult
     from ._train import evaluate as evaluate

@@ -274,6 +274,21 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
     ex.add_argument(
         "--bake", action="store_true", help="compile the parameters into the artifact (no OUT.state.npz)"
     )
+    ex.add_argument(
+        "--serving",
+        choices=("full", "cached-history"),
+        default="full",
+        help="full: one artifact scoring whole sequences; cached-history: OUT.history (a user's history -> "
+        "per-layer key/value cache, once per user) and OUT.candidates (cache + candidates -> logits), "
+        "parameters baked (default %(default)s)",
+    )
+    ex.add_argument(
+        "--candidates",
+        type=int,
+        default=None,
+        help="cached-history: candidates per user in the artifact's shapes (default: the trained "
+        "--num_candidates; the GPU artifact takes any count up to 4096)",
+    )
     _add_logging(ex)
     pd = sub.add_parser(
         "predict",
@@ -352,6 +367,8 @@ def _run(args: argparse.Namespace) -> int:
                     log=log_info,
                     quantize=args.quantize,
                     bake=args.bake,
+                    serving=args.serving,
+                    candidates=args.candidates,
                 )
             elif args.num_batches < 1:
                 print(f"error: --num_batches must be >= 1, got {args.num_batches}", file=sys.stderr)

@@ -43,11 +43,15 @@ def export_model(
     log: Callable[[str], None] = print,
     quantize: str | None = None,
     bake: bool = False,
+    serving: str = "full",
+    candidates: int | None = None,
 ) -> dict[str, Any]:
     """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest.
 
     `quantize`: `"int8"` or `"fp16"` embedding tables (None: float32 as trained); `bake`: the parameters
-    compiled into the artifact (no `.state.npz`)."""
+    compiled into the artifact (no `.state.npz`). `serving="cached-history"`: two artifacts instead,
+    `out.history` and `out.candidates` (`_serving_export`), the parameters baked, each user scored
+    against `candidates` candidates (default: the trained `--num_candidates`; any count on the GPU stack)."""
     from recir.capture import capture_train_step, load_into
     from recir.distributed import write_atomically
     from recir.embedding import QUANT_DTYPES, QuantizeTables, overrides
@@ -62,29 +66,50 @@ def export_model(
     if quantize not in (None, "none", *QUANT_DTYPES):
         raise ConfigError(f"--quantize must be one of none, {', '.join(QUANT_DTYPES)}; got {quantize!r}")
     quantize = None if quantize == "none" else quantize
+    if serving not in ("full", "cached-history"):
+        raise ConfigError(f"--serving must be full or cached-history, got {serving!r}")
+    if serving == "cached-history" and quantize is not None:
+        raise ConfigError(
+            "--serving cached-history reads float32 tables; --quantize applies to --serving full only. "
+            "Fix: drop --quantize, or export --serving full"
+        )
     state, meta = load_checkpoint(checkpoint)
     opts = _options(meta.get("options", {}), target=target)
     model, data, optimizers = build(opts)
     load_into(model, (), state)
+    if serving == "cached-history":
+        from ._serving_export import export_cached_history
+
+        model.eval()
+        info = {"target": target, "checkpoint": str(checkpoint), "step": meta.get("step"),
+                "options": dataclasses.asdict(opts)}  # fmt: skip
+        count = opts.num_candidates if candidates is None else candidates
+        manifest = export_cached_history(
+            model, target, out, batch_size=opts.batch_size, num_candidates=count, extra={"dlrmv3": info}
+        )
+        log(
+            f"export: wrote {out}.history, {out}.candidates (cached-history serving) and {Path(out).name}.json"
+        )
+        return manifest
     model.train()
     log(f"export: {checkpoint} (step {meta.get('step')}) for --target {target}")
     step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
-    serving = to_inference(step)  # aux.0: the multitask logits
+    served = to_inference(step)  # aux.0: the multitask logits
     if quantize is not None:
         pipeline = Pipeline([QuantizeTables(dtype=quantize)], name="serving")
-        serving = pipeline.run(serving)
+        served = pipeline.run(served)
         stats = pipeline.records[-1].stats
         log(
             f"export: {stats.get('tables', 0)} table(s) stored {quantize}: {stats.get('table_bytes', 0)} -> "
             f"{stats.get('quantized_bytes', 0)} bytes"
         )
-    tensors = serving.init_state(model, optimizers)
+    tensors = served.init_state(model, optimizers)
     out_path = Path(out)
     state_file = Path(f"{out_path}.state.npz")
     if not bake:
         buffer = io.BytesIO()
         np.savez(
-            buffer, **{s.name: t.detach().cpu().numpy() for s, t in zip(serving.signature.state, tensors)}
+            buffer, **{s.name: t.detach().cpu().numpy() for s, t in zip(served.signature.state, tensors)}
         )
         write_atomically(state_file, buffer.getvalue())
     extra = {
@@ -102,11 +127,11 @@ def export_model(
     if target == "gpu":
         from recir.lower_gpu import export
 
-        manifest = export(serving, out_path, extra=extra, baked_state=baked)
+        manifest = export(served, out_path, extra=extra, baked_state=baked)
     else:
         from recir.lower_tpu import compile
 
-        manifest = compile(serving).export(out_path, extra=extra, baked_state=baked)
+        manifest = compile(served).export(out_path, extra=extra, baked_state=baked)
     wrote = f"{out_path}" + ("" if bake else f", {state_file.name}")
     log(f"export: wrote {wrote} and {out_path.name}.json")
     return manifest
@@ -139,21 +164,50 @@ def predict(
         changes["data_dir"] = data_dir
     opts = _options(info["options"], **changes)
     model, data, _ = build(opts)  # labels and batches only: the artifact computes the logits
-    state: list[Any] = []
-    if manifest.get("state_file"):  # else the parameters are baked into the artifact
-        arrays = np.load(Path(artifact).parent / manifest["state_file"])
-        state = [arrays[s["name"]] for s in manifest["state"]]
-    run = _runner(info["target"], artifact, state, manifest)
+    if manifest.get("serving") == "cached-history":
+        run = _cached_runner(artifact, model, manifest)
+    else:
+        state: list[Any] = []
+        if manifest.get("state_file"):  # else the parameters are baked into the artifact
+            arrays = np.load(Path(artifact).parent / manifest["state_file"])
+            state = [arrays[s["name"]] for s in manifest["state"]]
+        flat_run = _runner(info["target"], artifact, state, manifest)
+        run = lambda batch: flat_run(pytree.tree_leaves(batch))  # noqa: E731
     acc = MetricAccumulator(tuple(t.name for t in data.spec.tasks))
     for batch in data.eval_batches(num_batches):
         labels, weights = model.labels(batch)
-        acc.update(run(pytree.tree_leaves(batch)), labels, weights)
+        acc.update(run(batch), labels, weights)
     metrics = acc.compute()
     log(
         f"predict: {artifact} on {opts.dataset}, {num_batches} batch(es): "
         + " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     )
     return metrics
+
+
+def _cached_runner(artifact: str, model: Any, manifest: dict[str, Any]) -> Callable[[Any], torch.Tensor]:
+    """A batch -> logits through the two cached-history artifacts (history, then candidates), with the
+    normaliser pinned as exported (so logits equal eager ones on batches given that normaliser)."""
+    from ._serving import split_batch
+    from ._serving_export import load_cached_history
+
+    history_fn, candidates_fn = load_cached_history(artifact)
+    users, count = manifest["entries"]["candidates"]["inputs"][-1]["shape"]
+
+    def run(batch: Any) -> torch.Tensor:
+        history, cand_ids = split_batch(model, batch, manifest["max_seq_len"])
+        got_users, got_count = cand_ids.shape
+        if got_users != users or (manifest["target"] == "tpu" and got_count != count):
+            fixed = "users" if manifest["target"] == "gpu" else "users x candidates"
+            raise DataError(
+                f"{artifact}: exported for {users} users x {count} candidates per batch ({fixed} fixed), "
+                f"but the eval batches are {got_users} x {got_count}. Fix: export with the batch size of the "
+                "data" + ("" if manifest["target"] == "gpu" else f" and --candidates {got_count}")
+            )
+        logits: torch.Tensor = candidates_fn(*history_fn(*history.tensors()), cand_ids)
+        return logits
+
+    return run
 
 
 def _runner(

@@ -105,14 +105,24 @@ class STULayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
         """x [B, N, D], mask [B, N, N] bool, max_len: 0-d tensor (the batch's longest sequence)."""
+        u, q, k, v = self.project(x)
+        scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / max_len.to(x.dtype)
+        scores = scores * mask[:, None].to(x.dtype)
+        return self.combine(x, u, scores @ v)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, N, D] -> u [B, N, H*A] (after SiLU) and q, k, v [B, H, N, A]."""
         B, N, _ = x.shape
         H, A = self.num_heads, self.head_dim
         u, v, q, k = self.uvqk(self.input_norm(x)).split(H * A, dim=-1)
         u = F.silu(u)
         q, k, v = (t.view(B, N, H, A).transpose(1, 2) for t in (q, k, v))
-        scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / max_len.to(x.dtype)
-        scores = scores * mask[:, None].to(x.dtype)
-        attn = (scores @ v).transpose(1, 2).reshape(B, N, H * A)
+        return u, q, k, v
+
+    def combine(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input x [B, N, D], u and the attention output attn [B, H, N, A]."""
+        B, N, _ = x.shape
+        attn = attn.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)
         y = u * self.attn_norm(attn)
         out = torch.cat([u, attn, y], dim=-1)
         return x + self.output(F.dropout(out, self.dropout, self.training))

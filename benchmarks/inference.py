@@ -1,0 +1,218 @@
+"""DLRMv3 serving speed: ms/batch and users/s of eager `model.eval()`, the GPU-path artifact (an
+AOTInductor `.pt2`) and the TPU-path artifact (`jax.export`), scoring whole sequences and with the
+cached-history swap (`recir-dlrmv3 export --serving cached-history`), at several batch sizes; ratios
+against eager full-sequence scoring measured in the same run.
+
+Not a test. Every user carries `--candidates` candidates (64). Cached-history rows are timed twice: a
+user's first request (history encoded, then candidates scored) and a repeat request (the history cache
+reused: candidates only). Each artifact's logits are checked against eager before it is timed. The
+parameters are baked into every artifact (as constants). Model weights are the seeded initialisation:
+speed does not depend on training. `x full`: a cached-history row against the same stack scoring the
+full sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _timed(fn: Callable[[], Any], rounds: int, min_seconds: float) -> float:
+    """Median over `rounds` of the mean ms per call, each round at least `min_seconds` long."""
+    fn()  # warm-up
+    started = time.perf_counter()
+    fn()
+    per_call = max(time.perf_counter() - started, 1e-6)
+    n = max(2, int(min_seconds / per_call))
+    out = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - started) / n * 1000)
+    return statistics.median(out)
+
+
+def _first_output(call: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *a: call(*a)[0]
+
+
+def _time_cached(
+    hist_fn: Callable[..., Any],
+    cand_fn: Callable[..., Any],
+    h_in: list[Any],
+    c_ids: Any,
+    sync: Callable[[Any], Any],
+    time_it: Callable[[Callable[[], Any]], float],
+    delta: Callable[[Any], float],
+) -> tuple[float, float, float]:
+    """(ms of a first request: history then candidates, ms of a repeat: candidates against the kept
+    cache, max |logit delta|) of one stack's two artifacts."""
+    import jax
+
+    with jax.enable_x64(True):
+        cache = hist_fn(*h_in)
+        got = delta(cand_fn(*cache, c_ids))
+        first = time_it(lambda: sync(cand_fn(*hist_fn(*h_in), c_ids)))
+        repeat = time_it(lambda: sync(cand_fn(*cache, c_ids)))
+    return first, repeat, got
+
+
+def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str, float, float]]:
+    """[(row name, ms per batch, max |logit delta| against eager)] at batch size B."""
+    import jax
+    import numpy as np
+    import torch
+    import torch.utils._pytree as pytree
+    from jax import export as jax_export
+    from recir.capture import capture_train_step
+    from recir.dlrmv3 import TrainOptions
+    from recir.dlrmv3._model import loss_fn
+    from recir.dlrmv3._serving import CandidateScorer, HistoryEncoder, serving_max_len, split_batch
+    from recir.dlrmv3._serving_export import export_cached_history
+    from recir.dlrmv3._train import build
+    from recir.embedding import overrides
+    from recir.lower_gpu import export as gpu_export
+    from recir.lower_tpu import compile as tpu_compile
+    from recir.transforms import to_inference
+
+    opts = TrainOptions(
+        target="eager",
+        batch_size=B,
+        uih_len=args.uih,
+        num_candidates=args.candidates,
+        embedding_dim=args.embedding_dim,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        hash_size=args.hash_size,
+        num_threads=args.threads,
+        seed=0,
+    )
+    model, data, optimizers = build(opts)
+    batch = next(iter(data.eval_batches(1)))
+    history, cand_ids = split_batch(model, batch, serving_max_len(model))
+    batch.max_seq_len = history.max_seq_len  # the serving normaliser on every path
+    real = torch.arange(args.candidates)[None, :] < batch.num_candidates[:, None]
+    flat = pytree.tree_leaves(batch)
+    rows: list[tuple[str, float, float]] = []
+    time_it = lambda fn: _timed(fn, args.rounds, args.min_seconds)  # noqa: E731
+
+    def delta(got: Any) -> float:
+        got = got if isinstance(got, torch.Tensor) else torch.from_numpy(np.array(got))  # jax.Array
+        return float((got - expected)[real].abs().max())
+
+    # Full sequences: the serving graph of the captured step, exported for each stack.
+    model.train()  # capture traces the training step; to_inference drops dropout
+    step = capture_train_step(model, optimizers, loss_fn, batch, overrides=overrides())
+    served = to_inference(step)
+    tensors = served.init_state(model, optimizers)
+    model.eval()
+    with torch.no_grad():
+        expected = model(batch)
+        rows.append(("eager eval(), full sequence", time_it(lambda: model(batch)), 0.0))
+        if "gpu" in args.paths:
+            path = work / f"full.{B}.pt2"
+            gpu_export(served, path, baked_state=tensors)
+            package = torch._inductor.aoti_load_package(str(path))
+            rows.append(
+                ("GPU path .pt2, full sequence", time_it(lambda: package(*flat)), delta(package(*flat)[-1]))
+            )
+    if "tpu" in args.paths:
+        path = work / f"full.{B}.jax"
+        manifest = tpu_compile(served).export(path, baked_state=tensors)
+        exp = jax_export.deserialize(bytearray(path.read_bytes()))
+        with jax.enable_x64(bool(manifest["x64"])):
+            jbatch = [
+                jax.numpy.asarray(np.asarray(t).astype(b["dtype"])) for t, b in zip(flat, manifest["batch"])
+            ]
+            call = lambda: jax.block_until_ready(exp.call(jbatch))  # noqa: E731
+            rows.append(("TPU path jax.export, full sequence", time_it(call), delta(exp.call(jbatch)[0])))
+
+    # Cached history: eager modules, then the two artifacts of each stack.
+    encode, score = HistoryEncoder(model), CandidateScorer(model)
+    with torch.no_grad():
+        cache = encode(*history.tensors())
+        got = delta(score(*cache, cand_ids))
+        rows.append(("eager, cached history: history + candidates",
+                     time_it(lambda: score(*encode(*history.tensors()), cand_ids)), got))  # fmt: skip
+        rows.append(("eager, cached history: candidates only", time_it(lambda: score(*cache, cand_ids)), got))
+    for target in args.paths:
+        out = work / f"cached.{B}.{target}"
+        manifest = export_cached_history(model, target, out, batch_size=B, num_candidates=args.candidates)
+        files = [work / manifest["entries"][n]["file"] for n in ("history", "candidates")]
+        name = {"gpu": "GPU path .pt2", "tpu": "TPU path jax.export"}[target]
+        if target == "gpu":
+            hist_fn, cand_fn = (torch._inductor.aoti_load_package(str(f)) for f in files)
+            h_in: list[Any] = list(history.tensors())
+            c_ids: Any = cand_ids
+            sync: Callable[[Any], Any] = lambda x: x  # noqa: E731
+        else:
+            hist_exp, cand_exp = (jax_export.deserialize(bytearray(f.read_bytes())) for f in files)
+            hist_fn, cand_fn = hist_exp.call, _first_output(cand_exp.call)
+            with jax.enable_x64(True):  # int64 ids
+                h_in = [jax.numpy.asarray(t.numpy()) for t in history.tensors()]
+                c_ids = jax.numpy.asarray(cand_ids.numpy())
+            sync = jax.block_until_ready
+        first, repeat, got = _time_cached(hist_fn, cand_fn, h_in, c_ids, sync, time_it, delta)
+        rows.append((f"{name}, cached history: history + candidates", first, got))
+        rows.append((f"{name}, cached history: candidates only", repeat, got))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--batch_sizes", default="1,16,256", help="users per batch, comma-separated (default %(default)s)"
+    )
+    p.add_argument("--paths", default="gpu,tpu", help="artifacts to time besides eager (default %(default)s)")
+    p.add_argument("--candidates", type=int, default=64, help="candidates per user (default %(default)s)")
+    p.add_argument("--uih", type=int, default=128, help="UIH length (default %(default)s)")
+    p.add_argument("--embedding_dim", type=int, default=64)
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--num_heads", type=int, default=2)
+    p.add_argument("--hash_size", type=int, default=10_000, help="rows per table")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default %(default)s; see the README on contention)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds, the median reported (default %(default)s)"
+    )
+    p.add_argument(
+        "--min_seconds", type=float, default=0.5, help="length of one timed round (default %(default)s)"
+    )
+    p.add_argument("--workdir", default=None, help="where the artifacts go (default: a temporary directory)")
+    args = p.parse_args()
+    args.paths = [x for x in args.paths.split(",") if x]
+    bad = [x for x in args.paths if x not in ("gpu", "tpu")]
+    if bad:
+        p.error(f"--paths takes gpu and/or tpu, got {bad}")
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    print(f"DLRMv3 serving: UIH {args.uih}, {args.candidates} candidates/user, dim {args.embedding_dim}, "
+          f"{args.num_layers} layers, {args.num_heads} heads, {args.hash_size} rows/table, {args.threads} threads")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for B in sizes:
+            rows = _bench_batch(args, B, work)
+            eager = rows[0][1]
+            full = {name.split(",")[0]: ms for name, ms, _ in rows if name.endswith("full sequence")}
+            print(f"\nbatch {B} ({B * args.candidates} candidates)")
+            print(
+                f"{'path':<58} {'ms/batch':>9} {'users/s':>9} {'x eager':>8} {'x full':>7} {'max |dlogit|':>12}"
+            )
+            for name, ms, d in rows:
+                stack = "eager eval()" if name.startswith("eager") else name.split(",")[0]
+                x_full = f"{full[stack] / ms:>7.2f}" if "cached" in name and stack in full else f"{'':>7}"
+                print(f"{name:<58} {ms:>9.2f} {B / (ms / 1000):>9.1f} {eager / ms:>8.2f} {x_full} {d:>12.1e}")
+
+
+if __name__ == "__main__":
+    main()
