@@ -157,7 +157,7 @@ class CompiledTrainer:
         self.checkpoint_plan = None  # state_dict() holds global tensors on every target here
         self.plan_lines: list[str] = []
         if target == "eager-graph":
-            self.compiled: Any = _Interpreted(self.graph)
+            self.compiled: Any = self.graph  # a StepGraph is a CompiledStep run by its interpreter
             self.description = "the captured StepGraph's reference interpreter (no compile)"
         elif mesh is not None:  # the TPU path: a global-batch plan, GSPMD partitions the step over the mesh
             from ._parallel import describe_plan, plan_step
@@ -208,27 +208,6 @@ class CompiledTrainer:
     def sync_model(self) -> DLRMv3:
         load_into(self.model, (), self.compiled.state_dict(self.state))
         return self.model
-
-
-class _Interpreted:
-    """A StepGraph run by its reference interpreter, behind the CompiledStep interface (`eager-graph`)."""
-
-    compile_seconds = 0.0
-
-    def __init__(self, step: Any) -> None:
-        self.step = step
-
-    def init_state(self, model: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
-        return self.step.init_state(model, optimizer)
-
-    def __call__(self, state: Any, batch: Any) -> Any:
-        return self.step(state, batch)
-
-    def state_dict(self, state: Any) -> dict[str, torch.Tensor]:
-        return self.step.state_dict(state)
-
-    def load_state_dict(self, sd: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        return self.step.load_state_dict(dict(sd))
 
 
 def precision_pipeline(precision: str) -> Any:

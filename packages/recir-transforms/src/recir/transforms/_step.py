@@ -70,6 +70,9 @@ class StepGraph:
 
     Placeholders are exactly ``signature.state + signature.batch`` in order; the output is one flat
     tuple ``new_state + outputs`` (INV-3). Node metadata carries ``val`` and ``recir.*`` keys.
+
+    A StepGraph is itself a :class:`CompiledStep` (its reference interpreter is a backend like the
+    lowerings, compiling nothing), so code written against that protocol runs it unchanged.
     """
 
     graph_module: fx.GraphModule
@@ -77,6 +80,11 @@ class StepGraph:
     dynamic: bool = False
     initializers: tuple[SlotInitializer, ...] = ()
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def compile_seconds(self) -> float:
+        """0.0: the reference interpreter compiles nothing (the CompiledStep protocol)."""
+        return 0.0
 
     # -- construction ---------------------------------------------------------------------------
     def replace(self, **changes: Any) -> StepGraph:
