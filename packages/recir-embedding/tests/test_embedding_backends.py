@@ -98,7 +98,7 @@ def test_backends_refuse_where_they_cannot_run(helpers, monkeypatch):
     with pytest.raises(ImportError, match="ring_shift.*needs JAX"):
         prepare_for_lowering(step, backend="ring_shift", target="tpu")
     monkeypatch.setitem(sys.modules, "fbgemm_gpu", None)
-    with pytest.raises(ImportError, match="fbgemm.*recir-embedding\\[cpu\\]"):
+    with pytest.raises(ImportError, match="fbgemm.*recir-embedding\\[fbgemm-cpu\\]"):
         prepare_for_lowering(step, backend="fbgemm", target="gpu")
 
 
@@ -111,7 +111,7 @@ def test_fbgemm_on_cuda_needs_fbgemm_cuda_kernels(helpers, monkeypatch):
     monkeypatch.setattr(_ops, "fbgemm_has_cuda", lambda: False)
     assert default_backend("gpu", "cuda") == "in_graph"
     with pytest.raises(
-        ConfigError, match="fbgemm' on CUDA needs FBGEMM's CUDA kernels.*recir-embedding\\[gpu\\]"
+        ConfigError, match="fbgemm' on CUDA needs FBGEMM's CUDA kernels.*recir-embedding\\[fbgemm-gpu\\]"
     ):
         prepare_for_lowering(step, backend="fbgemm", target="gpu", device="cuda")
     monkeypatch.setattr(_ops, "fbgemm_has_cuda", lambda: True)

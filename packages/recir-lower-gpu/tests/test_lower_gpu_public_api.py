@@ -24,6 +24,7 @@ def test_lower_gpu_public_surface_is_pinned():
         "__version__",
         "compile",
         "export",
+        "package",
         "GPUCompiledStep",
         "FusedTBECompiledStep",
         "GPUOptions",

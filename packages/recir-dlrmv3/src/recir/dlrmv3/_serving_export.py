@@ -81,9 +81,9 @@ def export_cached_history(
             dynamic = (None, None, None, None, {1: count})
         program = torch.export.export(modules[name], examples[name], dynamic_shapes=dynamic)
         if target == "gpu":
-            tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.pt2")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-            os.replace(tmp, path)
+            from recir.lower_gpu import package
+
+            package(program, path)  # atomically, and without changing this process's Inductor config
         else:
             write_atomically(path, _jax_export(program, examples[name]))
         with torch.no_grad():

@@ -7,6 +7,7 @@ from ._cache import recir_cache_dir as recir_cache_dir
 from ._compile import compile as compile
 from ._compile import resolve_device as resolve_device
 from ._export import export as export
+from ._export import package as package
 from ._fused_tbe import FusedTBECompiledStep as FusedTBECompiledStep
 from ._host_memory import retain_host_memory as retain_host_memory
 from ._options import INDUCTOR_MODES as INDUCTOR_MODES
@@ -20,6 +21,7 @@ __all__ = [
     # lowering
     "compile",
     "export",
+    "package",
     "GPUCompiledStep",
     "FusedTBECompiledStep",
     "GPUOptions",

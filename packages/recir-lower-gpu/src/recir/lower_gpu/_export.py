@@ -64,6 +64,23 @@ def _no_global_side_effects() -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = env
 
 
+def package(program: torch.export.ExportedProgram, path: str | os.PathLike[str]) -> Path:
+    """AOTInductor-compile ``program`` into the package ``path`` (written atomically; a ``.pt2`` that
+    loads with torch alone), leaving the process's Inductor config and environment as they were, so later
+    compiles in this process key and cache as a fresh process does. For programs exported by hand (e.g. an
+    application's serving modules); :func:`export` does this for a StepGraph."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.pt2")
+    try:
+        with _no_global_side_effects():
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
 def export(
     step: StepGraph,
     path: str | os.PathLike[str],
@@ -96,12 +113,9 @@ def export(
         module, example = _BakedState(gm, [t.detach().to(dev) for t in baked_state]), []
     example += [torch.zeros(b.shape, dtype=b.dtype, device=dev) for b in sig.batch]
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.pt2")
     with _no_global_side_effects():
         program = torch.export.export(module, tuple(example))
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-    os.replace(tmp, target)
+    package(program, target)
 
     def spec(name: str, shape: Any, dtype: torch.dtype) -> dict[str, Any]:
         return {"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
