@@ -91,12 +91,13 @@ def test_dlrmv3_two_ranks_train_like_one_and_resume_on_one(tmp_path):
 
 
 def test_dlrmv3_parallel_errors(capsys):
-    from recir.dlrmv3._parallel import check_batch_split, parse_mesh
+    from recir.distributed import Mesh
+    from recir.dlrmv3._parallel import check_batch_split
 
     with pytest.raises(ConfigError, match="does not split over the data-parallel size 2"):
         check_batch_split(7, 2)
     with pytest.raises(ConfigError, match="NAME=SIZE"):
-        parse_mesh("data8")
+        Mesh.parse("data8")
     with pytest.raises(ConfigError, match="need the captured step"):
         train(TrainOptions(target="eager", parallel="dp", **SMALL), log=lambda _: None)  # type: ignore[arg-type]
     assert main(["train", "--target", "gpu", "--mesh", "data=2"]) == 2

@@ -20,7 +20,7 @@ def test_dlrmv3_host_tables_train_like_in_graph(mesh):
 
         if len(jax.devices()) < 8:
             pytest.skip("needs 8 JAX devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    from recir.dlrmv3._parallel import parse_mesh
+    from recir.distributed import Mesh
 
     runs = {}
     for backend in ("cpu", "in_graph"):
@@ -29,7 +29,7 @@ def test_dlrmv3_host_tables_train_like_in_graph(mesh):
         model, data, optimizers = build(opts)
         parallel = "dp" if mesh else "none"
         trainer = make_trainer(
-            "tpu", model, optimizers, data.train_batch(0), backend, parallel, mesh and parse_mesh(mesh)
+            "tpu", model, optimizers, data.train_batch(0), backend, parallel, mesh and Mesh.parse(mesh)
         )
         losses = [float(trainer.step(data.train_batch(i))[0]) for i in range(STEPS)]
         runs[backend] = (trainer, losses, trainer.state_dict())

@@ -13,7 +13,7 @@ import torch
 from _dlrmv3_workers import SMALL
 from recir.dlrmv3 import TrainOptions, load_checkpoint, train
 from recir.dlrmv3._cli import _parser, main
-from recir.dlrmv3._parallel import parallel_mode, plan_step
+from recir.dlrmv3._parallel import plan_step
 from recir.transforms import ConfigError
 
 TABLES = ("post_id", "viewer_id", "dummy_contextual")
@@ -187,9 +187,3 @@ def test_dlrmv3_table_sharding_flags_and_errors(capsys):
     for flags, message in bad.items():
         assert main(["train", *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
-    with pytest.raises(ConfigError, match="automatic placement keeps dense state replicated"):
-        parallel_mode("fsdp", "auto")
-    with pytest.raises(ConfigError, match="Fix: --table_sharding auto"):
-        parallel_mode("auto", "row")
-    with pytest.raises(ConfigError, match="unknown --table_sharding 'diagonal'"):
-        parallel_mode("dp", "diagonal")

@@ -28,6 +28,7 @@ def test_lower_gpu_public_surface_is_pinned():
         "GPUCompiledStep",
         "FusedTBECompiledStep",
         "GPUOptions",
+        "compile_in_turn",
         "INDUCTOR_MODES",
         "resolve_device",
         "inductor_cache_dir",

@@ -27,11 +27,14 @@ from ._distribute import shard_state as shard_state
 from ._distribute import shard_tensor as shard_tensor
 from ._distribute import split_batch as split_batch
 from ._mesh import Mesh as Mesh
+from ._modes import PARALLEL_MODES as PARALLEL_MODES
+from ._modes import TABLE_SHARDINGS as TABLE_SHARDINGS
 from ._modes import DataParallel as DataParallel
 from ._modes import EmbeddingSharding as EmbeddingSharding
 from ._modes import FullyShardedDataParallel as FullyShardedDataParallel
 from ._modes import HybridParallel as HybridParallel
 from ._modes import column_wise as column_wise
+from ._modes import parallel_mode as parallel_mode
 from ._modes import row_wise as row_wise
 from ._modes import table_wise as table_wise
 from ._plan import ShardingPlan as ShardingPlan
@@ -40,6 +43,7 @@ from ._plan import local_shape as local_shape
 from ._planner import annotate as annotate
 from ._planner import check_budget as check_budget
 from ._planner import plan as plan
+from ._process import setup_process_group as setup_process_group
 from ._traffic import TableTraffic as TableTraffic
 from ._traffic import table_traffic as table_traffic
 from ._transforms.allreduce_grads import AllReduceGradients as AllReduceGradients
@@ -61,6 +65,10 @@ __all__ = [
     "table_wise",
     "row_wise",
     "column_wise",
+    "parallel_mode",
+    "PARALLEL_MODES",
+    "TABLE_SHARDINGS",
+    "setup_process_group",
     # plans
     "plan",
     "ShardingPlan",

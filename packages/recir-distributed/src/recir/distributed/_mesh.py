@@ -82,6 +82,23 @@ class Mesh:
         return self
 
     # -- data -------------------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """``"data=8"`` or ``"data=2,model=2"`` (a launcher flag's text) as a Mesh.
+
+        >>> Mesh.parse("data=2,model=2")
+        Mesh(axes={'data': 2, 'model': 2})
+        """
+        axes: dict[str, int] = {}
+        for part in text.split(","):
+            name, eq, size = part.strip().partition("=")
+            if not eq or not size.strip().isdigit() or int(size) < 1:
+                raise ConfigError(
+                    f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE] with SIZE >= 1, e.g. 'data=8' or 'data=2,model=2'"
+                )
+            axes[name.strip()] = int(size)
+        return cls(axes=axes)
+
     def to_dict(self) -> dict[str, Any]:
         return {"axes": dict(self.axes)}
 

@@ -118,3 +118,44 @@ def mode_name(mode: object) -> str:
         schemes = "+".join(s.scheme for s in mode.table_shardings())
         return f"hybrid({type(mode.dense).__name__}, {schemes})"
     return type(mode).__name__
+
+
+PARALLEL_MODES: tuple[str, ...] = ("dp", "fsdp", "hybrid", "auto")
+TABLE_SHARDINGS: tuple[str, ...] = ("row", "table", "column", "auto")
+
+
+def parallel_mode(name: str, tables: str | None = None) -> Mode:
+    """The mode named by a launcher's flags: ``name`` one of :data:`PARALLEL_MODES`, ``tables`` one of
+    :data:`TABLE_SHARDINGS` or None.
+
+    Without ``tables``: ``dp``, ``fsdp``, ``hybrid`` (data-parallel dense, table-wise tables) or
+    ``auto`` (the planner places every table by memory budget). With ``tables`` ``row``, ``table`` or
+    ``column``, the tables are sharded that way next to data-parallel dense state (FSDP for ``fsdp``);
+    ``auto`` is the planner's placement with dense state replicated.
+
+    >>> parallel_mode("fsdp", "row")
+    HybridParallel(tables=EmbeddingSharding(scheme='row_wise', tables=None, owners={}), dense=FullyShardedDataParallel(min_numel=0))
+    """
+    if name not in PARALLEL_MODES:
+        raise ConfigError(f"unknown parallel mode {name!r}; expected one of {', '.join(PARALLEL_MODES)}")
+    if tables is None:
+        by_name: dict[str, Mode] = {
+            "dp": DataParallel(),
+            "fsdp": FullyShardedDataParallel(),
+            "hybrid": HybridParallel(tables=table_wise()),
+            "auto": "auto",
+        }
+        return by_name[name]
+    if tables not in TABLE_SHARDINGS:
+        raise ConfigError(f"unknown table sharding {tables!r}; expected one of {', '.join(TABLE_SHARDINGS)}")
+    if tables == "auto" or name == "auto":
+        if name not in ("dp", "hybrid", "auto") or tables != "auto":
+            raise ConfigError(
+                f"parallel mode {name!r} with table sharding {tables!r}: the automatic placement keeps "
+                "dense state replicated and chooses each table's placement itself. Fix: table sharding "
+                "'auto' (with mode dp, hybrid or auto), or a fixed table sharding row, table or column."
+            )
+        return "auto"
+    sharding = {"row": row_wise, "table": table_wise, "column": column_wise}[tables]()
+    dense = FullyShardedDataParallel() if name == "fsdp" else DataParallel()
+    return HybridParallel(tables=sharding, dense=dense)

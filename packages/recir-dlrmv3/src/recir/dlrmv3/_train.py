@@ -84,22 +84,22 @@ def _setup_parallel(opts: TrainOptions) -> tuple[int, int, Any]:
     """(rank, data-parallel size, TPU mesh or None): starts the process group for --parallel on the GPU
     path, or joins the multi-process JAX job (rank = JAX process index, the batch stays global)."""
     if opts.target == "tpu" and opts.mesh is not None:
-        from ._parallel import parse_mesh
+        from recir.distributed import Mesh
 
         process = 0
         if opts.wants_multihost():  # before anything touches JAX's devices
             from recir.lower_tpu import initialize_distributed
 
             process, _ = initialize_distributed(opts.coordinator, opts.num_processes, opts.process_id)
-        mesh = parse_mesh(opts.mesh)
+        mesh = Mesh.parse(opts.mesh)
         check_batch_split(opts.batch_size, mesh.data_size)
         # every process feeds the global batch; each transfers only its own devices' shards
         return process, 1, mesh
     if opts.parallel == "none" or opts.target not in ("gpu", "eager-graph"):
         return 0, 1, None
-    from ._parallel import init_process_group
+    from recir.distributed import setup_process_group
 
-    rank, world = init_process_group()
+    rank, world = setup_process_group()
     check_batch_split(opts.batch_size, world)
     return rank, world, None
 
@@ -140,9 +140,9 @@ def dry_run(opts: TrainOptions, log: Callable[[str], None] = log_info) -> DLRMv3
     model, data, _ = build(opts)
     check_parallel(opts.target, opts.parallel, opts.mesh is not None)
     if opts.mesh is not None:
-        from ._parallel import parse_mesh
+        from recir.distributed import Mesh
 
-        check_batch_split(opts.batch_size, parse_mesh(opts.mesh).data_size)
+        check_batch_split(opts.batch_size, Mesh.parse(opts.mesh).data_size)
     if opts.target != "eager":
         engine("gpu" if opts.target == "eager-graph" else opts.target)  # installed and importable
     params = sum(p.numel() for p in model.parameters())

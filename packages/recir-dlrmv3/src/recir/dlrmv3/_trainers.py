@@ -7,6 +7,7 @@ Every trainer exposes its state as one flat `slot name -> tensor` dict (the Step
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from types import ModuleType
@@ -119,7 +120,13 @@ def _device_words(target: str) -> str:
 
 
 class CompiledTrainer:
-    """capture_train_step + a lowering's compile(); the state lives in the backend between steps."""
+    """capture_train_step + the target's backend; the state lives in the backend between steps.
+
+    One class for every captured target: the StepGraph interpreter (`eager-graph`), recir.lower_gpu
+    (`gpu`), recir.lower_tpu (`tpu`). With `parallel` other than `none` on the GPU path it trains this
+    rank's recir.distributed program (torchrun's process group, or a one-process group); with `mesh` on
+    the TPU path, a global-batch plan that GSPMD partitions over the mesh.
+    """
 
     def __init__(
         self,
@@ -129,16 +136,19 @@ class CompiledTrainer:
         target: str,
         embedding_backend: str | None,
         mesh: Any = None,
-        parallel: str = "dp",
+        parallel: str = "none",
         precision: str = "fp32",
         compile_options: Any = None,
         table_sharding: str | None = None,
         hbm_budget_gib: float | None = None,
     ) -> None:
-        lowering = engine("gpu" if target == "eager-graph" else target)
+        import recir.distributed as rd
         from recir.capture import capture_train_step
         from recir.embedding import overrides
 
+        from ._parallel import DEFAULT_MESH_AXIS, describe_plan, plan_step
+
+        lowering = None if target == "eager-graph" else engine(target)
         if embedding_backend is not None and embedding_backend not in EMBEDDING_BACKENDS:
             raise ConfigError(
                 f"unknown --embedding_backend {embedding_backend!r}; expected one of {', '.join(EMBEDDING_BACKENDS)}"
@@ -153,29 +163,42 @@ class CompiledTrainer:
         self.graph = precision_pipeline(precision).run(
             capture_train_step(model, opt, loss_fn, example, overrides=overrides())
         )
-        self.capture_seconds = time.perf_counter() - started
-        self.checkpoint_plan = None  # state_dict() holds global tensors on every target here
-        self.plan_lines: list[str] = []
-        if target == "eager-graph":
-            self.compiled: Any = self.graph  # a StepGraph is a CompiledStep run by its interpreter
-            self.description = "the captured StepGraph's reference interpreter (no compile)"
-        elif mesh is not None:  # the TPU path: a global-batch plan, GSPMD partitions the step over the mesh
-            from ._parallel import describe_plan, plan_step
-
-            plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="global")
-            self.plan_lines = describe_plan(plan)
-            self.compiled = lowering.compile(self.graph, plan, mesh=mesh, embedding_backend=embedding_backend)
+        self.plan: Any = None  # the recir.distributed plan of a distributed run
+        self.checkpoint_plan = None  # the plan state_dict()'s shards follow (None: global tensors)
+        self.dstep: Any = None  # this rank's program (GPU path, --parallel)
+        program: Any = self.graph
+        where = ""
+        if mesh is not None:  # the TPU path: a global-batch plan, GSPMD partitions the step over the mesh
+            self.plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="global")
             import jax
 
-            self.description = (
-                f"{lowering.__name__}.compile on {_device_words(target)}, mesh {mesh.axes} over "
-                f"{jax.process_count()} process(es), "
-                f"parallel {parallel} ({plan.mode}), embedding backend {embedding_backend or 'default'}"
-            )
+            where = f", mesh {mesh.axes} over {jax.process_count()} process(es), parallel {parallel} ({self.plan.mode})"
+        elif parallel != "none":  # the GPU path: one process per device, this rank's program
+            rank, world = rd.setup_process_group()
+            mesh = rd.Mesh(axes={DEFAULT_MESH_AXIS: world})
+            self.plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="local")
+            self.checkpoint_plan = self.plan
+            program = self.dstep = rd.distribute(self.graph, self.plan, rank)
+            backend = torch.distributed.get_backend()
+            where = f", {world} rank(s), parallel {parallel} ({self.plan.mode}), {backend} process group"
+        self.plan_lines = describe_plan(self.plan) if self.plan is not None else []
+        self.capture_seconds = time.perf_counter() - started
+        if lowering is None:
+            self.compiled: Any = program  # a StepGraph is a CompiledStep run by its interpreter
+            self.description = f"the captured StepGraph's reference interpreter (no compile){where}"
         else:
-            extra = {} if compile_options is None else {"options": compile_options}
-            self.compiled = lowering.compile(self.graph, embedding_backend=embedding_backend, **extra)
-            self.description = f"{lowering.__name__}.compile on {_device_words(target)}, embedding backend {embedding_backend or 'default'}"
+            extra: dict[str, Any] = {} if compile_options is None else {"options": compile_options}
+            if target == "tpu":
+                extra["mesh"] = mesh
+            # identical programs on every rank compile once per machine (a no-op without a process group)
+            with contextlib.nullcontext() if target == "tpu" else lowering.compile_in_turn(program):
+                self.compiled = lowering.compile(
+                    program, self.plan, embedding_backend=embedding_backend, **extra
+                )
+            self.description = (
+                f"{lowering.__name__}.compile on {_device_words(target)}{where}, "
+                f"embedding backend {embedding_backend or 'default'}"
+            )
             if (
                 tbe := getattr(self.compiled, "tbe", None)
             ) is not None:  # recir.lower_gpu's FusedTBECompiledStep
@@ -198,6 +221,7 @@ class CompiledTrainer:
         return torch.as_tensor(loss).detach(), torch.as_tensor(logits).detach()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every slot by name: global tensors, or this rank's shards under `checkpoint_plan`."""
         return {k: torch.as_tensor(v).detach().cpu() for k, v in self.compiled.state_dict(self.state).items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -206,7 +230,15 @@ class CompiledTrainer:
         self.state = self.compiled.load_state_dict(merged)
 
     def sync_model(self) -> DLRMv3:
-        load_into(self.model, (), self.compiled.state_dict(self.state))
+        """The trained state in the live model (a distributed run gathers it: every rank calls this)."""
+        state = self.state_dict()
+        if self.dstep is not None:
+            import recir.distributed as rd
+
+            state = rd.gather_state(
+                self.plan, self.dstep, [state[s.name] for s in self.dstep.signature.state]
+            )
+        load_into(self.model, (), state)
         return self.model
 
 
@@ -256,39 +288,6 @@ def make_trainer(
     check_parallel(target, parallel, mesh is not None)
     if target == "eager":
         return EagerTrainer(model, optimizers, precision, device)
-    if target == "tpu" and mesh is not None:
-        return CompiledTrainer(
-            model,
-            optimizers,
-            example,
-            target,
-            embedding_backend,
-            mesh,
-            parallel,
-            precision,
-            table_sharding=table_sharding,
-            hbm_budget_gib=hbm_budget_gib,
-        )
-    if parallel != "none":
-        from ._parallel import DistributedTrainer
-
-        return DistributedTrainer(  # type: ignore[return-value]
-            model,
-            optimizers,
-            example,
-            target,
-            embedding_backend,
-            parallel,
-            precision,
-            table_sharding=table_sharding,
-            hbm_budget_gib=hbm_budget_gib,
-        )
-    return CompiledTrainer(
-        model,
-        optimizers,
-        example,
-        target,
-        embedding_backend,
-        precision=precision,
-        compile_options=compile_options,
-    )
+    parallel = "dp" if mesh is not None and parallel == "none" else parallel  # a mesh alone: data parallel
+    args = (embedding_backend, mesh, parallel, precision, compile_options, table_sharding, hbm_budget_gib)
+    return CompiledTrainer(model, optimizers, example, target, *args)

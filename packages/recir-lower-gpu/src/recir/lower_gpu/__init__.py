@@ -12,6 +12,7 @@ from ._fused_tbe import FusedTBECompiledStep as FusedTBECompiledStep
 from ._host_memory import retain_host_memory as retain_host_memory
 from ._options import INDUCTOR_MODES as INDUCTOR_MODES
 from ._options import GPUOptions as GPUOptions
+from ._ranks import compile_in_turn as compile_in_turn
 from ._step import GPUCompiledStep as GPUCompiledStep
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "GPUOptions",
     "INDUCTOR_MODES",
     "resolve_device",
+    "compile_in_turn",
     # host runtime
     "retain_host_memory",
     # compile cache
