@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from recir.distributed import CheckpointManager, load_resharded, verify_checkpoint
+from recir.distributed import latest_checkpoint as latest_checkpoint  # the newest complete one, or None
 from recir.transforms import DataError
 
 KEEP = 2
@@ -28,16 +30,7 @@ def save_checkpoint(
     """Writes `state` (this rank's shards under `plan`, or global tensors) plus JSON `meta` as checkpoint
     `step` of the run in `directory` and keeps its newest `keep` by write order. Call on every rank.
     (A training loop holds one `recir.distributed.CheckpointManager` instead.)"""
-    from recir.distributed import CheckpointManager
-
     return CheckpointManager(directory, keep=keep, existing="continue").save(step, state, plan, meta)
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under `directory`, or None."""
-    from recir.distributed import latest_checkpoint as latest
-
-    return latest(directory)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -58,8 +51,6 @@ def load_checkpoint(
     shards under `plan` (None: every saved slot as a global tensor), whatever plan and world size saved it.
     Every file is checked against its sha256 first. A slot `plan` needs that the checkpoint lacks is a
     `DataError` unless its name matches an `allow_fresh` glob pattern."""
-    from recir.distributed import load_resharded, verify_checkpoint
-
     path = resolve_checkpoint(path)
     meta = verify_checkpoint(path)
     return load_resharded(path, plan, allow_missing=allow_fresh, verify=False), meta

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import recir.distributed as rd
 from recir.transforms import ConfigError
 
 from ._batch import Batch
@@ -24,8 +25,6 @@ def plan_step(
     batch: Literal["local", "global"],
 ) -> Any:
     """The recir.distributed plan of a captured step for these flags (`--hbm_budget_gib`: per device)."""
-    import recir.distributed as rd
-
     budget = None if hbm_budget_gib is None else int(hbm_budget_gib * 2**30)
     mode = rd.parallel_mode(parallel, table_sharding)
     return rd.plan(graph, mode, mesh, memory_budget=budget, batch=batch)

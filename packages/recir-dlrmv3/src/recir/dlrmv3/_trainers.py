@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, Protocol
 
+import recir.distributed as rd
 import torch
 from recir.capture import load_into, state_from, with_shared_step
 from recir.transforms import ConfigError
@@ -142,7 +143,6 @@ class CompiledTrainer:
         table_sharding: str | None = None,
         hbm_budget_gib: float | None = None,
     ) -> None:
-        import recir.distributed as rd
         from recir.capture import capture_train_step
         from recir.embedding import overrides
 
@@ -233,8 +233,6 @@ class CompiledTrainer:
         """The trained state in the live model (a distributed run gathers it: every rank calls this)."""
         state = self.state_dict()
         if self.dstep is not None:
-            import recir.distributed as rd
-
             state = rd.gather_state(
                 self.plan, self.dstep, [state[s.name] for s in self.dstep.signature.state]
             )
@@ -279,12 +277,9 @@ def make_trainer(
     table_sharding: str | None = None,
     hbm_budget_gib: float | None = None,
 ) -> Trainer:
-    """`eager`, or the captured step on `target`; `parallel` other than `none` on the GPU path (`gpu`,
-    `eager-graph`) trains this rank's recir.distributed program (`example` is then this rank's batch).
-    `device` places the eager trainer only; the GPU path picks CUDA itself when present.
-    `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the single-device lowering's compile().
-    `table_sharding` (row | table | column | auto) and `hbm_budget_gib` (per device) shape the plan of a
-    distributed run (`--mesh` on tpu, `parallel` under torchrun)."""
+    """`eager`, or the captured step on `target` (CompiledTrainer: `parallel` other than `none` on the GPU
+    path trains this rank's program, `example` then this rank's batch). `device` places the eager trainer
+    only; `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the lowering's compile()."""
     check_parallel(target, parallel, mesh is not None)
     if target == "eager":
         return EagerTrainer(model, optimizers, precision, device)
