@@ -3,6 +3,8 @@
 from recir.transforms import GRAD_OF_KEY as GRAD_OF_KEY  # defined in recir.transforms
 from recir.transforms import OPTIM_PARAM_KEY as OPTIM_PARAM_KEY
 from recir.transforms import CaptureError as CaptureError
+from recir.transforms import ParamOptim as ParamOptim  # the optimizer maths lives in recir-transforms
+from recir.transforms import apply_update as apply_update
 
 from . import testing as testing
 from ._bucketed import BucketedStep as BucketedStep
@@ -17,8 +19,6 @@ from ._eager_state import state_from as state_from
 from ._eager_state import with_shared_step as with_shared_step
 from ._embedding_bag_override import EmbeddingBagOverride as EmbeddingBagOverride
 from ._embedding_bag_override import EmbeddingBagStandIn as EmbeddingBagStandIn
-from ._functional_optim import ParamOptim as ParamOptim
-from ._functional_optim import apply_update as apply_update
 from ._lr import LR_SLOTS_META as LR_SLOTS_META
 from ._lr import learning_rates as learning_rates
 from ._lr import set_learning_rate as set_learning_rate

@@ -22,12 +22,15 @@ from recir.transforms import (
     STEP_SLOT,
     CaptureError,
     Override,
+    ParamOptim,
     Signature,
     SlotInitializer,
     StateSlot,
     StepGraph,
     adapt_batch,
+    apply_update,
     buffer_slot,
+    group_scalars,
     lr_slot,
     optim_slot,
     param_slot,
@@ -42,7 +45,6 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _postprocess as post
-from ._functional_optim import ParamOptim, apply_update, group_scalars
 from ._lr import LR_SLOTS_META
 from ._model_copy import bind_tensors, prepare_model
 from ._optim_map import all_param_groups, group_learning_rates, optimizer_specs

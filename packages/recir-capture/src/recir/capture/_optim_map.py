@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from recir.transforms import CaptureError
+from recir.transforms import CaptureError, ParamOptim, state_keys_for
 
-from ._functional_optim import ParamOptim, state_keys_for
 from ._rowwise_adagrad import RowWiseAdagrad
 
 _SUPPORTED = "torch.optim.SGD, Adam, AdamW, Adagrad and recir.capture.RowWiseAdagrad"

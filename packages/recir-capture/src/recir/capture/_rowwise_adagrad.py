@@ -10,36 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
-
-
-def rowwise_mean_square(grad: Tensor) -> Tensor:
-    """``mean(grad**2)`` over every dim but the first: one value per row (a 1-D param is its own row)."""
-    sq = grad * grad
-    if sq.dim() <= 1:
-        return sq
-    return sq.mean(dim=tuple(range(1, sq.dim())))
-
-
-def rowwise_adagrad_update(
-    param: Tensor,
-    grad: Tensor,
-    state_sum: Tensor,
-    *,
-    lr: float | Tensor,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-) -> tuple[Tensor, Tensor]:
-    """One functional row-wise Adagrad update; returns ``(new_param, new_sum)`` (shared with capture)."""
-    g = -grad if maximize else grad
-    if weight_decay != 0:
-        g = g + weight_decay * param
-    new_sum = state_sum + rowwise_mean_square(g)
-    std = new_sum.sqrt() + eps
-    scale = lr / std
-    new_param = param - scale.reshape(scale.shape + (1,) * (param.dim() - 1)) * g
-    return new_param, new_sum
+from recir.transforms import rowwise_adagrad_update
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):

@@ -16,16 +16,17 @@ from recir.transforms import (
     STEP_SLOT,
     BatchSlot,
     CaptureError,
+    ParamOptim,
     StateSlot,
     buffer_slot,
     lr_slot,
     optim_slot,
     param_slot,
     parse_slot_name,
+    state_shape,
 )
 from torch import nn
 
-from ._functional_optim import ParamOptim, state_shape
 from ._optim_map import as_optimizer_list
 
 

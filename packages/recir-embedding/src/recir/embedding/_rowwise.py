@@ -1,4 +1,4 @@
-"""Row-wise (sparse) optimizer maths on a static-size set of touched rows.
+"""Row-wise (sparse) updates on a static-size set of touched rows (the maths: recir.transforms.apply_update).
 
 ``dedupe`` turns ``(ids [N], per-id grads [N, D])`` into ``N`` slots of unique rows with summed grads
 (sort + boundary detection, no data-dependent shapes); ``sparse_update`` applies an optimizer to those
@@ -11,9 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from recir.transforms import apply_update, param_optim
 from torch import Tensor
 
-SPARSE_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw")
+SPARSE_KINDS = (
+    "sgd",
+    "adagrad",
+    "rowwise_adagrad",
+    "adam",
+    "adamw",
+)  # every recir.transforms.OPTIMIZER_KINDS
 
 
 def dedupe(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -32,10 +39,6 @@ def dedupe(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return rows, summed, valid
 
 
-def _f64(x: Tensor) -> Tensor:
-    return x.to(torch.float64)
-
-
 def _row_update(
     kind: str,
     hp: Mapping[str, Any],
@@ -45,49 +48,15 @@ def _row_update(
     lr: Tensor,
     step: Tensor | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The dense optimizer maths of recir.capture / torch.optim, applied to gathered rows."""
-    if hp.get("maximize"):
-        g = -g
-    wd = hp.get("weight_decay", 0.0)
-    lr_p = lr.to(p.dtype)
-    if kind == "sgd":
-        if wd:
-            g = torch.add(g, p, alpha=wd)
-        return p - lr_p * g, {}
-    if kind == "adagrad":
-        if wd:
-            g = torch.add(g, p, alpha=wd)
-        clr = lr_p
-        if hp.get("lr_decay"):
-            assert step is not None
-            clr = (_f64(lr) / (1 + (_f64(step) - 1) * hp["lr_decay"])).to(p.dtype)
-        s = torch.addcmul(st["sum"], g, g, value=1)
-        return p - clr * (g / (s.sqrt() + hp.get("eps", 1e-10))), {"sum": s}
-    if kind == "rowwise_adagrad":
-        if wd:
-            g = g + wd * p
-        (key,) = st  # "sum" (recir.capture) or any single [rows] accumulator
-        s = st[key] + (g * g).mean(1)
-        scale = lr_p / (s.sqrt() + hp.get("eps", 1e-10))
-        return p - scale.unsqueeze(1) * g, {key: s}
-    # adam / adamw, lazy: see sparse_update
-    assert step is not None
-    b1, b2 = hp.get("betas", (0.9, 0.999))
-    if wd:
-        if kind == "adamw":
-            p = p * (1 - _f64(lr) * wd).to(p.dtype)
-        else:
-            g = torch.add(g, p, alpha=wd)
-    m = torch.lerp(st["exp_avg"], g, 1 - b1)
-    v = torch.addcmul(st["exp_avg_sq"] * b2, g, g, value=1 - b2)
-    bc1 = 1 - torch.pow(b1, _f64(step))
-    bc2 = 1 - torch.pow(b2, _f64(step))
-    step_size = (_f64(lr) / bc1).to(p.dtype)
-    bc2_sqrt = bc2.sqrt().to(p.dtype)
-    new = {"exp_avg": m, "exp_avg_sq": v}
-    if "max_exp_avg_sq" in st:
-        v = new["max_exp_avg_sq"] = torch.maximum(st["max_exp_avg_sq"], v)
-    return p - step_size * (m / (v.sqrt() / bc2_sqrt + hp.get("eps", 1e-8))), new
+    """The dense optimizer maths (recir.transforms.apply_update, torch.optim's) applied to gathered rows."""
+    spec = param_optim(kind, hp)
+    if kind == "adagrad" and step is None and not spec.hparams["lr_decay"]:
+        step = lr.new_ones(())  # Adagrad reads the step count for its lr decay only
+    if kind == "rowwise_adagrad":  # "sum" (recir.capture) or any single [rows] accumulator
+        (key,) = st
+        new_p, new_st = apply_update(spec, p, g, {"sum": st[key]}, lr, step)
+        return new_p, {key: new_st["sum"]}
+    return apply_update(spec, p, g, st, lr, step)
 
 
 def sparse_update(

@@ -23,9 +23,11 @@ from recir.transforms import (
     Signature,
     StateSlot,
     StepGraph,
+    apply_update,
     lr_slot,
     optim_slot,
     override_for_op,
+    param_optim,
     param_slot,
 )
 from torch import Tensor, nn
@@ -40,37 +42,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "adam": {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "adamw": {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
 }
-STATE_KEYS = {
-    "sgd": (),
-    "adagrad": ("sum",),
-    "rowwise_adagrad": ("sum",),
-    "adam": ("exp_avg", "exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq"),
-}
 
 
 def dense_update(
     kind: str, hp: dict[str, Any], p: Tensor, g: Tensor, st: list[Tensor], lr: Tensor, step: Tensor
 ):
-    """The dense optimizer maths (torch.optim's, and FBGEMM's for RowWiseAdagrad). Returns (p, states)."""
-    if kind == "sgd":
-        return p - lr * g, []
-    if kind == "adagrad":
-        s = st[0] + g * g
-        return p - lr * g / (s.sqrt() + hp["eps"]), [s]
-    if kind == "rowwise_adagrad":
-        m = st[0] + (g * g).mean(1)
-        return p - lr * g / (m.sqrt() + hp["eps"]).unsqueeze(1), [m]
-    b1, b2 = hp["betas"]
-    if kind == "adamw":
-        p = p * (1 - lr * hp["weight_decay"])
-    elif hp.get("weight_decay"):
-        g = g + hp["weight_decay"] * p
-    m = st[0] * b1 + g * (1 - b1)
-    v = st[1] * b2 + g * g * (1 - b2)
-    bc1 = 1 - torch.pow(b1, step)
-    bc2 = 1 - torch.pow(b2, step)
-    return p - (lr / bc1) * m / (v.sqrt() / bc2.sqrt() + hp["eps"]), [m, v]
+    """The dense update of a whole table (recir.transforms.apply_update: torch.optim's maths, FBGEMM's
+    for RowWiseAdagrad). Returns (p, states)."""
+    spec = param_optim(kind, hp)
+    keys = spec.state_keys
+    new_p, new = apply_update(spec, p, g, dict(zip(keys, st)), lr, step)
+    return new_p, [new[k] for k in keys]
 
 
 def _node(t: Tensor) -> torch.fx.Node:
@@ -95,7 +77,7 @@ def build_step(
     optim_meta: dict[str, Any] = {}
     for n, p in params.items():
         state = {}
-        for key in STATE_KEYS[kind]:
+        for key in param_optim(kind, hp).state_keys:
             shape = (p.shape[0],) if kind == "rowwise_adagrad" else tuple(p.shape)
             slots.append(StateSlot(optim_slot(n, key), "optim", shape, p.dtype))
             state[key] = optim_slot(n, key)
@@ -134,7 +116,7 @@ def build_step(
         ranges = {}
         for n, g in zip(params, grads):
             start = _count()
-            skeys = [optim_slot(n, k) for k in STATE_KEYS[kind]]
+            skeys = [optim_slot(n, k) for k in param_optim(kind, hp).state_keys]
             p_new, s_new = dense_update(kind, hp, st[param_slot(n)], g, [st[k] for k in skeys], lr, step)
             new[param_slot(n)] = p_new
             new.update(zip(skeys, s_new))

@@ -46,6 +46,14 @@ from ._ops import (
 from ._ops import (
     embedding_bag_reference as embedding_bag_reference,
 )
+from ._optim_math import OPTIMIZER_KINDS as OPTIMIZER_KINDS
+from ._optim_math import ParamOptim as ParamOptim
+from ._optim_math import apply_update as apply_update
+from ._optim_math import group_scalars as group_scalars
+from ._optim_math import param_optim as param_optim
+from ._optim_math import rowwise_adagrad_update as rowwise_adagrad_update
+from ._optim_math import state_keys_for as state_keys_for
+from ._optim_math import state_shape as state_shape
 from ._override import (
     Override as Override,
 )
@@ -218,6 +226,15 @@ __all__ = [
     "grad_of",
     "optim_param",
     "grad_nodes",
+    # functional optimizer maths (torch.optim's), shared by dense (capture) and row-wise (embedding) updates
+    "OPTIMIZER_KINDS",
+    "ParamOptim",
+    "param_optim",
+    "apply_update",
+    "group_scalars",
+    "state_keys_for",
+    "state_shape",
+    "rowwise_adagrad_update",
     "SCOPE_KEY",
     "BatchAdapter",
     "adapt_batch",

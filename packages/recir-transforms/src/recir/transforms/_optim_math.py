@@ -1,21 +1,42 @@
-"""Functional optimizers with torch.optim's maths (single-tensor, non-foreach, non-capturable path).
+"""Functional optimizers with torch.optim's maths (single-tensor, non-foreach, non-capturable path): the
+one home of RecIR's optimizer maths.
 
-Each update is a pure function ``(param, grad, state, lr, step) -> (new_param, new_state)``; capture
-traces it into the optimizer phase. Scalar bias corrections are computed in float64 like torch.optim's
+Each update is a pure function ``(param, grad, state, lr, step) -> (new_param, new_state)``. recir-capture
+traces it into a step's optimizer phase (dense updates); recir-embedding applies it to the gathered rows of
+a table (sparse row-wise updates). Scalar bias corrections are computed in float64 like torch.optim's
 Python floats, then applied to float32 tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._rowwise_adagrad import rowwise_adagrad_update
+OPTIMIZER_KINDS: tuple[str, ...] = ("sgd", "adam", "adamw", "adagrad", "rowwise_adagrad")
 
-KINDS: tuple[str, ...] = ("sgd", "adam", "adamw", "adagrad", "rowwise_adagrad")
+# torch.optim's defaults of the hyper-parameters each kind reads (RowWiseAdagrad's for rowwise_adagrad)
+HPARAM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sgd": {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0, "maximize": False},
+    "adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False},
+    "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False, "maximize": False},
+    "adagrad": {
+        "lr_decay": 0.0,
+        "eps": 1e-10,
+        "weight_decay": 0.0,
+        "initial_accumulator_value": 0.0,
+        "maximize": False,
+    },
+    "rowwise_adagrad": {
+        "eps": 1e-10,
+        "weight_decay": 0.0,
+        "initial_accumulator_value": 0.0,
+        "maximize": False,
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +55,14 @@ class ParamOptim:
         # SGD's first step copies the gradient into the buffer; with dampening that differs from the
         # general formula applied to a zero buffer, so the step count is needed to tell them apart.
         return self.kind == "sgd" and self.hparams["momentum"] != 0 and self.hparams["dampening"] != 0
+
+
+def param_optim(kind: str, hparams: Mapping[str, Any], group: int = 0) -> ParamOptim:
+    """A :class:`ParamOptim` of ``kind``; hyper-parameters ``hparams`` lacks take torch.optim's defaults."""
+    if kind not in HPARAM_DEFAULTS:
+        raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {OPTIMIZER_KINDS}")
+    full = {**HPARAM_DEFAULTS[kind], **hparams}
+    return ParamOptim(kind, group, full, state_keys_for(kind, full))
 
 
 def state_keys_for(kind: str, hparams: dict[str, Any]) -> tuple[str, ...]:
@@ -118,6 +147,35 @@ def apply_update(
         )
         return new_param, {"sum": new_sum}
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
+
+
+def rowwise_mean_square(grad: Tensor) -> Tensor:
+    """``mean(grad**2)`` over every dim but the first: one value per row (a 1-D param is its own row)."""
+    sq = grad * grad
+    if sq.dim() <= 1:
+        return sq
+    return sq.mean(dim=tuple(range(1, sq.dim())))
+
+
+def rowwise_adagrad_update(
+    param: Tensor,
+    grad: Tensor,
+    state_sum: Tensor,
+    *,
+    lr: float | Tensor,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> tuple[Tensor, Tensor]:
+    """One functional row-wise Adagrad update (FBGEMM's EXACT_ROWWISE_ADAGRAD); ``(new_param, new_sum)``."""
+    g = -grad if maximize else grad
+    if weight_decay != 0:
+        g = g + weight_decay * param
+    new_sum = state_sum + rowwise_mean_square(g)
+    std = new_sum.sqrt() + eps
+    scale = lr / std
+    new_param = param - scale.reshape(scale.shape + (1,) * (param.dim() - 1)) * g
+    return new_param, new_sum
 
 
 # The updates below spell out torch.optim's fused CPU kernels in the same evaluation order:
