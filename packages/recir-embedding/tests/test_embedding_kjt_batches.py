@@ -4,10 +4,12 @@ Parameters are compared with the plain-PyTorch twin trained eagerly on the same 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from recir.capture import BucketedStep, capture_train_step
-from recir.embedding import JaggedBatch, overrides
+from recir.embedding import JaggedBatch, overrides, suggest_buckets
 from recir.transforms import DataError
 
 LR = 0.1
@@ -80,6 +82,21 @@ def test_bucketed_step_captures_once_per_bucket_and_matches_eager(helpers):
     assert trainer.compiles == len(seen) >= 2, (trainer.compiles, seen)
     real, padded = trainer.padding
     assert real == sum(int(b["features"].lengths().sum()) for b in batches) and padded > 0
+    # bucket feedback: the sizes it saw, and buckets from them that pad less at no more compiles
+    sizes = {k: [] for k in ("f1", "f2", "f3", "q")}
+    for b in batches:
+        for k, n in zip(sizes, b["features"].lengths().view(4, helpers.B).sum(1).tolist()):
+            sizes[k].append(n)
+    assert {k: dict(v) for k, v in trainer.sizes.items()} == {k: dict(Counter(v)) for k, v in sizes.items()}
+    suggestion = suggest_buckets(trainer.sizes, max_buckets=2, multiple_of=1)
+    assert suggestion.waste_after < suggestion.waste_before == pytest.approx(padded / real)
+    retrained = BucketedStep(
+        model, opt, helpers.loss_fn, overrides=overrides(), batch_buckets=suggestion.buckets
+    )
+    state2 = retrained.init_state(batches[0])
+    for batch in batches:
+        state2, _ = retrained(state2, batch)
+    assert retrained.padding_waste == pytest.approx(suggestion.waste_after)
     last = next(iter(trainer._steps.values()))
     _check_tables(helpers, last.state_dict(state), ref, "after 8 steps")
 

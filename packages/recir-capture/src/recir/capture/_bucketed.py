@@ -8,6 +8,7 @@ All buckets share one state: the slots do not depend on the batch's sizes.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -27,7 +28,9 @@ class BucketedStep:
 
     ``compile``: e.g. ``recir.lower_gpu.compile`` or ``recir.lower_tpu.compile`` (None: the StepGraph's
     reference interpreter). ``compiles`` counts the captures so far, ``buckets`` lists their layouts,
-    ``padding`` is ``(real ids, padded slots)`` over every batch run so far.
+    ``padding`` is ``(real ids, padded slots)`` over every batch run so far, and ``sizes`` each jagged
+    feature's real id counts as a ``{size: batches}`` histogram (``recir.embedding.suggest_buckets(sizes)``
+    proposes the buckets that pad least for their compile count).
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class BucketedStep:
         self.buckets: list[str] = []
         self.real_ids = 0
         self.padded_slots = 0
+        self.sizes: dict[str, collections.Counter[int]] = {}
 
     @property
     def compiles(self) -> int:
@@ -87,6 +91,10 @@ class BucketedStep:
         for real, capacity in _jagged_sizes(static):
             self.real_ids += real
             self.padded_slots += capacity - real
+        for x in _jagged_leaves(static):
+            per_key = x.lengths_.view(len(x.keys_), -1).sum(1).tolist()
+            for key, n in zip(x.keys_, per_key):
+                self.sizes.setdefault(key, collections.Counter())[int(n)] += 1
         return step(state, static)
 
 

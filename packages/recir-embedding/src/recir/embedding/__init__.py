@@ -14,6 +14,9 @@ from ._backends import resolve_backend as resolve_backend
 from ._bucket import PadReport as PadReport
 from ._bucket import bucketize as bucketize
 from ._bucket import pad_to_bucket as pad_to_bucket
+from ._bucket_feedback import BucketSuggestion as BucketSuggestion
+from ._bucket_feedback import padding_waste as padding_waste
+from ._bucket_feedback import suggest_buckets as suggest_buckets
 from ._checks import checks as checks
 from ._checks import checks_enabled as checks_enabled
 from ._host import CutHostSplit as CutHostSplit
@@ -62,6 +65,9 @@ __all__ = [
     "validate_step_batch",
     "pad_to_bucket",
     "bucketize",
+    "suggest_buckets",
+    "BucketSuggestion",
+    "padding_waste",
     "PadReport",
     "checks",
     "checks_enabled",
