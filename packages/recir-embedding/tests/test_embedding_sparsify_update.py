@@ -138,3 +138,46 @@ def test_verifier_catches_a_broken_rewrite(helpers):
     with pytest.raises(VerificationError, match="INV-4") as exc:
         Pipeline([_BrokenSparsify()], verify_level=2).run(step)
     assert exc.value.transform == "recir-embed-broken-sparsify"
+
+
+def test_padding_does_no_work_that_reaches_the_state(helpers):
+    """A batch padded to 32 slots per feature and the same batch padded to its exact sizes give the same
+    new state, and the sparse update writes exactly the rows of the real ids: padding repeats a real
+    id of its feature and has no gradient, so it adds no row to the update."""
+    from recir.capture import capture_train_step
+    from recir.embedding import pad_to_bucket, tables_from_torchrec
+
+    gen = torch.Generator().manual_seed(11)
+    kjt = helpers.random_kjt(gen)
+    batch = {"features": kjt, "y": torch.randn(helpers.B, generator=gen)}
+    counts = dict(zip(kjt.keys(), kjt.lengths().view(len(kjt.keys()), -1).sum(1).tolist()))
+    new_states = []
+    for buckets in ([32], {k: [max(n, 1)] for k, n in counts.items()}):
+        model = helpers.make_torchrec_model()
+        # lazy Adam moves every row it updates, zero gradient or not: a padding row would show
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        step = capture_train_step(
+            model, opt, helpers.loss_fn, batch, overrides=overrides(), batch_buckets=buckets
+        )
+        res = SparsifyUpdate()(step)
+        assert len(res.stats["sparsified"]) == 3  # every table updates its rows only
+        sparse = res.step
+        state = sparse.init_state(model, opt)
+        new, _ = sparse(state, batch)
+        new_states.append(dict(zip(sparse.signature.state_names(), new)))
+        before = dict(zip(sparse.signature.state_names(), state))
+    padded, exact = new_states
+    assert padded.keys() == exact.keys()
+    for name in padded:
+        torch.testing.assert_close(padded[name], exact[name], rtol=0, atol=1e-7, msg=name)
+    ids = {k: set(jt.values().tolist()) for k, jt in kjt.to_dict().items()}
+    jb, _ = pad_to_bucket(kjt, [32])
+    for k, start, cap in zip(jb.keys(), jb.starts(), jb.capacities):
+        assert set(jb.values()[start : start + cap].tolist()) == (ids[k] or {0}), k  # no id of its own
+    collections = [m for m in helpers.make_torchrec_model().children() if hasattr(m, "embedding_bag_configs")
+                   or hasattr(m, "embedding_configs")]  # fmt: skip
+    for table in [t for m in collections for t in tables_from_torchrec(m)]:
+        slot = next(n for n in padded if n.startswith("param:") and n.endswith(f".{table.name}.weight"))
+        changed = (padded[slot] != before[slot]).any(1).nonzero().flatten().tolist()
+        real = set().union(*(ids[f] for f in table.features))
+        assert set(changed) <= real and len(changed) == len(real), (table.name, changed, real)
