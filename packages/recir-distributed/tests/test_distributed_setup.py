@@ -38,6 +38,8 @@ def test_mesh_parse():
             rd.Mesh.parse(bad)
     with pytest.raises(ConfigError, match="is not one of"):
         rd.Mesh.parse("batch=2")
+    with pytest.raises(ConfigError, match="^--mesh 'data': expected NAME=SIZE"):
+        rd.Mesh.parse("data", name="--mesh")
 
 
 def test_setup_process_group_without_torchrun_makes_one_process():

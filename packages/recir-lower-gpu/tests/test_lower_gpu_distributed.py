@@ -10,6 +10,7 @@ import pytest
 import recir.lower_gpu as lg
 import torch
 import torch.distributed as dist
+from _lower_gpu_ranks import in_turn_worker
 from _lower_gpu_steps import TinyMLP, mlp_batch, mse_loss, sgd_step_graph
 from recir.transforms import ConfigError
 
@@ -46,34 +47,6 @@ def test_collectives_need_a_process_group_then_run_on_it(lower_gpu_cache_dir):
         dist.destroy_process_group()
 
 
-def _in_turn_worker(rank: int, world: int, port: int, log: str, same_program: bool) -> None:
-    import os
-    import pathlib
-    import time
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop("LOCAL_RANK", None)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        batch = mlp_batch(0) if same_program or rank == 0 else {k: v[:3] for k, v in mlp_batch(0).items()}
-        step = sgd_step_graph(TinyMLP(), mse_loss, batch)
-        path = pathlib.Path(log)
-        with lg.compile_in_turn(step):
-            with path.open("a") as f:
-                f.write(f"{rank}-enter\n")
-            if rank == 0 and not same_program:  # different programs: rank 1 is inside at the same time
-                deadline = time.monotonic() + 120
-                while "1-enter" not in path.read_text():
-                    assert time.monotonic() < deadline, "rank 1 never entered: ranks compiled in turn"
-                    time.sleep(0.05)
-            with path.open("a") as f:
-                f.write(f"{rank}-exit\n")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("same_program", [True, False], ids=["same-program", "different-programs"])
 def test_compile_in_turn_orders_identical_programs_only(tmp_path, same_program):
     """Identical programs: rank 0 compiles (fills the shared cache) before rank 1 enters; different
@@ -87,7 +60,7 @@ def test_compile_in_turn_orders_identical_programs_only(tmp_path, same_program):
         port = s.getsockname()[1]
     log = tmp_path / "order.txt"
     log.touch()
-    mp.spawn(_in_turn_worker, args=(2, port, str(log), same_program), nprocs=2, join=True)
+    mp.spawn(in_turn_worker, args=(2, port, str(log), same_program), nprocs=2, join=True)
     lines = log.read_text().split()
     if same_program:
         assert lines == ["0-enter", "0-exit", "1-enter", "1-exit"]

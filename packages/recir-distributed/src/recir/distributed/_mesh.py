@@ -83,20 +83,22 @@ class Mesh:
 
     # -- data -------------------------------------------------------------------------------------
     @classmethod
-    def parse(cls, text: str) -> Mesh:
-        """``"data=8"`` or ``"data=2,model=2"`` (a launcher flag's text) as a Mesh.
+    def parse(cls, text: str, *, name: str = "mesh") -> Mesh:
+        """``"data=8"`` or ``"data=2,model=2"`` (a launcher flag's text) as a Mesh; errors name the text as
+        ``name`` (e.g. the flag, ``--mesh``).
 
         >>> Mesh.parse("data=2,model=2")
         Mesh(axes={'data': 2, 'model': 2})
         """
         axes: dict[str, int] = {}
         for part in text.split(","):
-            name, eq, size = part.strip().partition("=")
+            axis, eq, size = part.strip().partition("=")
             if not eq or not size.strip().isdigit() or int(size) < 1:
                 raise ConfigError(
-                    f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE] with SIZE >= 1, e.g. 'data=8' or 'data=2,model=2'"
+                    f"{name} {text!r}: expected NAME=SIZE[,NAME=SIZE] with SIZE >= 1, e.g. 'data=8' or "
+                    "'data=2,model=2'"
                 )
-            axes[name.strip()] = int(size)
+            axes[axis.strip()] = int(size)
         return cls(axes=axes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -91,7 +91,7 @@ def _setup_parallel(opts: TrainOptions) -> tuple[int, int, Any]:
             from recir.lower_tpu import initialize_distributed
 
             process, _ = initialize_distributed(opts.coordinator, opts.num_processes, opts.process_id)
-        mesh = Mesh.parse(opts.mesh)
+        mesh = Mesh.parse(opts.mesh, name="--mesh")
         check_batch_split(opts.batch_size, mesh.data_size)
         # every process feeds the global batch; each transfers only its own devices' shards
         return process, 1, mesh
@@ -142,7 +142,7 @@ def dry_run(opts: TrainOptions, log: Callable[[str], None] = log_info) -> DLRMv3
     if opts.mesh is not None:
         from recir.distributed import Mesh
 
-        check_batch_split(opts.batch_size, Mesh.parse(opts.mesh).data_size)
+        check_batch_split(opts.batch_size, Mesh.parse(opts.mesh, name="--mesh").data_size)
     if opts.target != "eager":
         engine("gpu" if opts.target == "eager-graph" else opts.target)  # installed and importable
     params = sum(p.numel() for p in model.parameters())
