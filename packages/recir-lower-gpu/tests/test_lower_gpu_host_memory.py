@@ -9,9 +9,12 @@ import sys
 import pytest
 
 # A step-like allocation pattern: eight 4 MiB (or 48 MiB: XLA's sizes) buffers touched, then all freed,
-# twice. With glibc's defaults the memory goes back to the OS after the first round (unmapped), so the
-# second faults all its pages in again (measured: 8160 of 8192); kept, the second round reuses the
-# first's pages (measured: 1024-2048 faults at 4 MiB, an eighth at 48 MiB).
+# four times. With glibc's defaults the memory goes back to the OS after each round (unmapped), so every
+# later round faults all its pages in again (measured: 8160 of 8192). Kept, later rounds reuse the first's
+# pages; small allocations that stay alive between rounds (thread pools, caches) can split the free space
+# so that a round or two after the first places some buffers on fresh pages (measured: 0 or 1024 faults
+# per round here, 5120 once on a CI machine), and the layout then settles, so the test takes the
+# quietest of rounds 2-4.
 _SCRIPT = """
 import resource, sys
 import torch
@@ -20,16 +23,16 @@ if sys.argv[1] == "retain":
     assert retain_host_memory()
 numel = int(sys.argv[2])
 faults = []
-for _ in range(2):
+for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     bufs = [torch.empty(numel).fill_(1.0) for _ in range(8)]
     del bufs
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(faults[1])
+print(min(faults[1:]))
 """
 
 
-def _second_round_faults(mode: str, mib: int) -> int:
+def _later_round_faults(mode: str, mib: int) -> int:
     args = [sys.executable, "-c", _SCRIPT, mode, str(mib << 18)]  # float32: 2**18 elements per MiB
     out = subprocess.run(args, capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
@@ -41,8 +44,8 @@ def _second_round_faults(mode: str, mib: int) -> int:
 @pytest.mark.parametrize("mib", [4, 48])  # below and above glibc's largest mmap threshold (32 MiB)
 def test_retained_memory_is_reused_without_page_faults(mib):
     pages = 8 * (mib << 20) // 4096  # per round
-    assert _second_round_faults("system", mib) > pages * 3 // 4  # glibc's default returned the memory
-    assert _second_round_faults("retain", mib) < pages // 2  # kept: the second round reuses the pages
+    assert _later_round_faults("system", mib) > pages * 3 // 4  # glibc's default returned the memory
+    assert _later_round_faults("retain", mib) < pages // 4  # kept: a later round reuses the pages
 
 
 def test_retain_host_memory_rejects_bad_sizes():
