@@ -9,12 +9,13 @@ import sys
 import pytest
 
 # A step-like allocation pattern: eight 4 MiB (or 48 MiB: XLA's sizes) buffers touched, then all freed,
-# four times. With glibc's defaults the memory goes back to the OS after each round (unmapped), so every
-# later round faults all its pages in again (measured: 8160 of 8192). Kept, later rounds reuse the first's
-# pages; small allocations that stay alive between rounds (thread pools, caches) can split the free space
-# so that a round or two after the first places some buffers on fresh pages (measured: 0 or 1024 faults
-# per round here, 5120 once on a CI machine), and the layout then settles, so the test takes the
-# quietest of rounds 2-4.
+# four times. With glibc's defaults the memory goes back to the OS after a round (unmapped, or trimmed off
+# the heap), so later rounds fault their pages in again (measured: 8160 of 8192 in most rounds; glibc's
+# dynamic mmap threshold makes an occasional round reuse heap pages, 1024 faults). Kept, later rounds reuse
+# the first's pages; small allocations that stay alive between rounds (thread pools, caches) can split the
+# free space so that a round after the first places some buffers on fresh pages (measured: 0, 1024 or 4096
+# faults in a round here, 5120 once on a CI machine) before the layout settles. So the test compares the
+# loudest later round of the default with the quietest of retain.
 _SCRIPT = """
 import resource, sys
 import torch
@@ -28,14 +29,14 @@ for _ in range(4):
     bufs = [torch.empty(numel).fill_(1.0) for _ in range(8)]
     del bufs
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(min(faults[1:]))
+print(*faults[1:])
 """
 
 
-def _later_round_faults(mode: str, mib: int) -> int:
+def _later_round_faults(mode: str, mib: int) -> list[int]:
     args = [sys.executable, "-c", _SCRIPT, mode, str(mib << 18)]  # float32: 2**18 elements per MiB
     out = subprocess.run(args, capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+    return [int(n) for n in out.stdout.split()[-3:]]
 
 
 @pytest.mark.skipif(
@@ -44,8 +45,8 @@ def _later_round_faults(mode: str, mib: int) -> int:
 @pytest.mark.parametrize("mib", [4, 48])  # below and above glibc's largest mmap threshold (32 MiB)
 def test_retained_memory_is_reused_without_page_faults(mib):
     pages = 8 * (mib << 20) // 4096  # per round
-    assert _later_round_faults("system", mib) > pages * 3 // 4  # glibc's default returned the memory
-    assert _later_round_faults("retain", mib) < pages // 4  # kept: a later round reuses the pages
+    assert max(_later_round_faults("system", mib)) > pages * 3 // 4  # glibc's default returned the memory
+    assert min(_later_round_faults("retain", mib)) < pages // 4  # kept: a later round reuses the pages
 
 
 def test_retain_host_memory_rejects_bad_sizes():
