@@ -228,10 +228,14 @@ STANDALONE = {
     "recir-lower-gpu": ("recir.lower_gpu", ("jax", "torchax", "torchrec", "fbgemm_gpu", "recir.capture")),
     "recir-lower-tpu": ("recir.lower_tpu", ("torchrec", "fbgemm_gpu", "recir.capture", "recir.lower_gpu")),
 }
-# What the tests of a package alone may still use: recir-capture builds their train steps (installed without
-# its dependencies, so nothing else comes with it). A test whose own code imports anything else absent is
-# skipped (conftest.py, RECIR_TESTS_WITHOUT); library code importing it still fails.
-STANDALONE_TEST_SIBLINGS = ["packages/recir-capture"]
+# What the tests of a package alone may still use: recir-capture builds their train steps, and
+# recir-embedding gives capture's test zoo (recir.capture.testing) its EmbeddingBagOverride and
+# RowWiseAdagrad, imported when a test calls them. Both are installed without their dependencies (torch and
+# recir-transforms, which every package has), so nothing else comes with them, and only after the `absent`
+# check (recir-capture's lists recir.embedding: its library code must not need it); the package under test
+# is not installed again as its own sibling. A test whose own code imports anything else absent is skipped
+# (conftest.py, RECIR_TESTS_WITHOUT); library code importing it still fails.
+STANDALONE_TEST_SIBLINGS = ["packages/recir-capture", "packages/recir-embedding"]
 OPTIONAL_MODULES = (
     "jax torchax torchrec fbgemm_gpu tensorboard recir.capture recir.distributed recir.embedding"
 )
@@ -255,7 +259,7 @@ def standalone(session: nox.Session, package: str) -> None:
         f"sys.exit(f'{package} alone: missing public names {{missing}}' if missing else "
         f"f'{package} pulled in {{bad}}' if bad else 0)",
     )
-    siblings = [s for s in STANDALONE_TEST_SIBLINGS if not s.endswith(package)]
+    siblings = [s for s in STANDALONE_TEST_SIBLINGS if os.path.basename(s) != package]
     editable = [arg for s in siblings for arg in ("-e", s)]
     session.run_install("uv", "pip", "install", *TEST_REQUIREMENTS, silent=True)
     if editable:

@@ -71,7 +71,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import recir.distributed as rd
-    from recir.capture import EmbeddingBagOverride, capture_train_step
+    from recir.capture import capture_train_step
+    from recir.embedding import EmbeddingBagOverride
 
     model = DLRMLike(args.tables, args.rows, args.dim, args.dense, args.hidden)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -123,7 +123,8 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any]:
     importlib.import_module("torch._inductor.compile_fx")
     if path.startswith("recir"):
         importlib.import_module("recir.embedding")
-        from recir.capture import EmbeddingBagOverride, capture_train_step
+        from recir.capture import capture_train_step
+        from recir.embedding import EmbeddingBagOverride
     torch.manual_seed(0)
     model = RecModel(a)
     optimizer = make_optimizer(a, model.parameters())

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from typing import Any, ClassVar
+
 import pytest
 import torch
-from recir.capture import OPTIMIZER_META, CaptureError, RowWiseAdagrad, capture_train_step, testing
+from recir.capture import OPTIMIZER_META, CaptureError, capture_train_step, testing
+from recir.embedding import RowWiseAdagrad
 
 
 def test_capture_optimizers_rowwise_adagrad_formula() -> None:
@@ -77,3 +82,84 @@ def test_capture_optimizers_differentiable_rejected() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, differentiable=True)
     with pytest.raises(CaptureError, match="differentiable=True"):
         capture_train_step(model, opt, case.loss_fn, case.make_batch(0))
+
+
+class _DeclaredSGD(torch.optim.Optimizer):
+    """Plain SGD outside torch.optim: capture knows its maths from ``recir_optimizer_kind`` alone."""
+
+    recir_optimizer_kind: ClassVar[str] = "sgd"
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return None
+
+
+class _UnknownKind(_DeclaredSGD):
+    recir_optimizer_kind: ClassVar[str] = "nope"
+
+
+class _StepOverridden(RowWiseAdagrad):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        return None
+
+
+def _linear_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def test_capture_optimizers_declared_kind_matches_torch_optim() -> None:
+    """An optimizer class declaring recir_optimizer_kind = "sgd" is captured as torch.optim.SGD's maths."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ref = copy.deepcopy(model)
+    batches = [{"x": torch.randn(4, 3), "y": torch.randn(4, 2)} for _ in range(2)]
+    opt = _DeclaredSGD(model.parameters(), lr=0.1)
+    step = capture_train_step(model, opt, _linear_loss, batches[0])
+    assert step.meta[OPTIMIZER_META]["param:weight"]["kind"] == "sgd"
+    state = step.init_state(model, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for batch in batches:
+        state, _ = step(state, batch)
+        testing.eager_step(ref, ref_opt, _linear_loss, batch)
+    captured = step.state_dict(state)
+    for name, p in ref.named_parameters():
+        assert not torch.equal(p, getattr(model, name))  # the two steps moved it
+        torch.testing.assert_close(captured[f"param:{name}"], p.detach())
+
+
+def test_capture_optimizers_declared_kind_must_be_known() -> None:
+    model = torch.nn.Linear(3, 2)
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}
+    with pytest.raises(CaptureError, match=r"_UnknownKind declares recir_optimizer_kind = 'nope'") as err:
+        capture_train_step(model, _UnknownKind(model.parameters()), _linear_loss, batch)
+    assert "valid kinds: sgd, adam, adamw, adagrad, rowwise_adagrad" in str(err.value)
+
+
+def test_capture_optimizers_declared_kind_subclass_overriding_step_rejected() -> None:
+    model = torch.nn.Linear(3, 2)
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}
+    with pytest.raises(CaptureError, match="_StepOverridden overrides step"):
+        capture_train_step(model, _StepOverridden(model.parameters()), _linear_loss, batch)
+
+    class Base(_DeclaredSGD):
+        recir_optimizer_kind: ClassVar[str] = "sgd"
+
+        def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+            return super().step(closure)
+
+    class Inherits(Base):
+        pass
+
+    # a subclass that keeps step() is fine, also when instantiated first, so that torch.optim puts its
+    # step() profiling wrapper on the subclass itself
+    opt = Inherits(model.parameters())
+    assert "step" in vars(Inherits)
+    step = capture_train_step(model, opt, _linear_loss, batch)
+    assert step.meta[OPTIMIZER_META]["param:weight"]["kind"] == "sgd"

@@ -7,7 +7,8 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from recir.capture import CaptureError, EmbeddingBagOverride, capture_train_step, testing
+from recir.capture import CaptureError, capture_train_step, testing
+from recir.embedding import EmbeddingBagOverride
 from recir.transforms import OVERRIDE_KEY, Override
 from torch import nn
 

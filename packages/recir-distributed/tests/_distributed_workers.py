@@ -155,7 +155,8 @@ def captured_train_and_compare(rank: int, world: int, modes: list[Any], steps: i
     """recir.capture's StepGraph of a real nn.Module: distributed training matches one process."""
     import _distributed_models as M
     import recir.distributed as rd
-    from recir.capture import EmbeddingBagOverride, capture_train_step
+    from recir.capture import capture_train_step
+    from recir.embedding import EmbeddingBagOverride
 
     local_b = 4
     model, opt = _captured_model()

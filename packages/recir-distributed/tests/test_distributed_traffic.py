@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import recir.distributed as rd
 import torch
-from recir.capture import EmbeddingBagOverride, capture_train_step
+from recir.capture import capture_train_step
+from recir.embedding import EmbeddingBagOverride
 from torch import nn
 
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from recir.embedding import overrides, prepare_for_lowering
+from recir.embedding import RowWiseAdagrad, overrides, prepare_for_lowering
 
 capture = pytest.importorskip("recir.capture")
 
@@ -18,7 +18,7 @@ def _optimizer(kind, params):
     if kind == "adagrad":
         return torch.optim.Adagrad(params, lr=0.1)
     if kind == "rowwise_adagrad":
-        return capture.RowWiseAdagrad(params, lr=0.1)
+        return RowWiseAdagrad(params, lr=0.1)
     return torch.optim.SGD(params, lr=0.1)
 
 
@@ -108,7 +108,7 @@ def test_dense_adam_plus_rowwise_tables_sparsify_only_the_tables(helpers):
 
     dense = [p for n, p in model.named_parameters() if n.startswith("lin")]
     tables = [p for n, p in model.named_parameters() if not n.startswith("lin")]
-    opts = [torch.optim.Adam(dense, lr=0.01), capture.RowWiseAdagrad(tables, lr=0.1)]
+    opts = [torch.optim.Adam(dense, lr=0.01), RowWiseAdagrad(tables, lr=0.1)]
     batch, _ = helpers.random_batch(torch.Generator().manual_seed(0))
     step = capture.capture_train_step(model, opts, loss_fn, batch, overrides=overrides())
     ref = prepare_for_lowering(step, backend="in_graph", target="gpu", sparse_updates=False)

@@ -14,6 +14,8 @@ def test_embedding_public_api_resolves():
         owner = getattr(obj, "__module__", None)
         assert owner is None or owner.startswith("recir.") or not callable(obj), (name, owner)
     assert mod.__version__ == "0.1.0"
+    # moved here from recir.capture: the optimizer and override for plain embedding tables
+    assert {"RowWiseAdagrad", "EmbeddingBagOverride", "EmbeddingBagStandIn"} <= set(mod.__all__)
 
 
 def test_imports_stay_within_declared_dependencies():

@@ -15,9 +15,9 @@ import logging
 
 import pytest
 import torch
-from recir.capture import RowWiseAdagrad, capture_train_step
+from recir.capture import capture_train_step
 from recir.capture.testing import eager_state_dict, eager_step, state_mismatches
-from recir.embedding import prepare_for_lowering
+from recir.embedding import RowWiseAdagrad, prepare_for_lowering
 from recir.transforms import PHASE_KEY
 from torch import nn
 

@@ -12,8 +12,8 @@ import logging
 import pytest
 import recir.lower_gpu as lg
 import torch
-from recir.capture import RowWiseAdagrad, capture_train_step, testing
-from recir.embedding import FusedTBE, fused_tbe_tables, prepare_for_lowering
+from recir.capture import capture_train_step, testing
+from recir.embedding import FusedTBE, RowWiseAdagrad, fused_tbe_tables, prepare_for_lowering
 from recir.lower_gpu import FusedTBECompiledStep
 
 pytest.importorskip("fbgemm_gpu")

@@ -14,7 +14,8 @@ from torch import nn
 jax = pytest.importorskip("jax")
 
 import recir.distributed as rd  # noqa: E402
-from recir.capture import EmbeddingBagOverride, capture_train_step  # noqa: E402
+from recir.capture import capture_train_step  # noqa: E402
+from recir.embedding import EmbeddingBagOverride  # noqa: E402
 from recir.lower_tpu import compile  # noqa: E402
 from recir.transforms import ConfigError  # noqa: E402
 

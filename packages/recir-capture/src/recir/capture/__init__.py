@@ -17,13 +17,10 @@ from ._eager_state import load_into as load_into
 from ._eager_state import shared_step_layout as shared_step_layout
 from ._eager_state import state_from as state_from
 from ._eager_state import with_shared_step as with_shared_step
-from ._embedding_bag_override import EmbeddingBagOverride as EmbeddingBagOverride
-from ._embedding_bag_override import EmbeddingBagStandIn as EmbeddingBagStandIn
 from ._lr import LR_SLOTS_META as LR_SLOTS_META
 from ._lr import learning_rates as learning_rates
 from ._lr import set_learning_rate as set_learning_rate
 from ._lr import sync_learning_rates as sync_learning_rates
-from ._rowwise_adagrad import RowWiseAdagrad as RowWiseAdagrad
 
 __version__ = "0.1.0"
 
@@ -38,11 +35,7 @@ __all__ = [
     "with_shared_step",
     "shared_step_layout",
     "is_parameter_step",
-    # overrides
-    "EmbeddingBagOverride",
-    "EmbeddingBagStandIn",
     # optimizers
-    "RowWiseAdagrad",
     "ParamOptim",
     "apply_update",
     # learning rates

@@ -2,6 +2,8 @@
 
 Shared by capture's and the lowerings' 20-step parity tests: build a case, capture it, run the step
 and eager torch.optim side by side, and compare every parameter, buffer and optimizer state tensor.
+The "embedding_bag" case's override and the "rowwise_adagrad" optimizer come from recir-embedding (see
+``_embedding_bag_overrides``): capture itself depends on torch and recir-transforms alone.
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ import torch.nn.functional as F
 from recir.transforms import STEP_SLOT, buffer_slot, grad_of, lr_slot, optim_slot, param_slot
 from torch import Tensor, nn
 
-from ._embedding_bag_override import EmbeddingBagOverride
 from ._optim_map import all_param_groups, as_optimizer_list
-from ._rowwise_adagrad import RowWiseAdagrad
 
 
 class MLP(nn.Module):
@@ -157,11 +157,25 @@ class ReferenceCase:
         return self.make_model()
 
 
+# The zoo's embedding cases use recir-embedding at test time only: it is imported here, when a test calls
+# these, so importing recir.capture (or recir.capture.testing) never imports recir.embedding.
+def _embedding_bag_overrides() -> tuple[Any, ...]:
+    from recir.embedding import EmbeddingBagOverride
+
+    return (EmbeddingBagOverride(),)
+
+
+def _rowwise_adagrad(params: Any) -> torch.optim.Optimizer:
+    from recir.embedding import RowWiseAdagrad
+
+    return RowWiseAdagrad(params, lr=0.05, eps=1e-8)
+
+
 REFERENCE_CASES: dict[str, ReferenceCase] = {
     "mlp": ReferenceCase("mlp", MLP, _regression_loss, _dense_batch((4, 8))),
     "transformer": ReferenceCase("transformer", TransformerBlock, _regression_loss, _dense_batch((2, 5, 16))),
     "embedding_bag": ReferenceCase(
-        "embedding_bag", EmbeddingBagModel, _ctr_loss, _ctr_batch, lambda: (EmbeddingBagOverride(),)
+        "embedding_bag", EmbeddingBagModel, _ctr_loss, _ctr_batch, _embedding_bag_overrides
     ),
     "batchnorm": ReferenceCase("batchnorm", BatchNormModel, _regression_loss, _dense_batch((6, 6))),
 }
@@ -180,7 +194,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adagrad": lambda ps: torch.optim.Adagrad(
         ps, lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1
     ),
-    "rowwise_adagrad": lambda ps: RowWiseAdagrad(ps, lr=0.05, eps=1e-8),
+    "rowwise_adagrad": _rowwise_adagrad,
 }
 
 

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import torch
-from recir.capture import RowWiseAdagrad
+from recir.embedding import RowWiseAdagrad
 from recir.transforms import ConfigError
 from torch import nn
 

@@ -19,6 +19,8 @@ from ._bucket_feedback import padding_waste as padding_waste
 from ._bucket_feedback import suggest_buckets as suggest_buckets
 from ._checks import checks as checks
 from ._checks import checks_enabled as checks_enabled
+from ._embedding_bag_override import EmbeddingBagOverride as EmbeddingBagOverride
+from ._embedding_bag_override import EmbeddingBagStandIn as EmbeddingBagStandIn
 from ._host import CutHostSplit as CutHostSplit
 from ._host import HostEmbeddings as HostEmbeddings
 from ._jagged import JaggedBatch as JaggedBatch
@@ -35,6 +37,7 @@ from ._overrides import EmbeddingCollectionStandIn as EmbeddingCollectionStandIn
 from ._overrides import overrides as overrides
 from ._rowwise import dedupe as dedupe
 from ._rowwise import sparse_update as sparse_update
+from ._rowwise_adagrad import RowWiseAdagrad as RowWiseAdagrad
 from ._table import EmbeddingTable as EmbeddingTable
 from ._table import feature_to_table as feature_to_table
 from ._table import tables_from_torchrec as tables_from_torchrec
@@ -71,14 +74,18 @@ __all__ = [
     "PadReport",
     "checks",
     "checks_enabled",
-    # overrides (TorchRec EBC/EC, FBGEMM dense TBE)
+    # overrides (plain nn.EmbeddingBag, TorchRec EBC/EC, FBGEMM dense TBE)
     "overrides",
+    "EmbeddingBagOverride",
     "EmbeddingBagCollectionOverride",
     "EmbeddingCollectionOverride",
     "DenseTBEOverride",
+    "EmbeddingBagStandIn",
     "EmbeddingBagCollectionStandIn",
     "EmbeddingCollectionStandIn",
     "DenseTBEStandIn",
+    # optimizers (capture recognises them by their recir_optimizer_kind)
+    "RowWiseAdagrad",
     # ops
     "embedding_reference",
     # backends (the lowerings' entry point)

@@ -10,6 +10,7 @@ import torch
 from recir.transforms import CaptureError, Override
 from torch import Tensor, nn
 
+from ._embedding_bag_override import EmbeddingBagOverride
 from ._jagged import JaggedBatch
 from ._lookup import as_jagged, checked, pooled_lookup, segments, sequence_lookup
 from ._ops import EMBEDDING_OVERRIDE
@@ -168,5 +169,12 @@ class DenseTBEOverride(Override):
 
 
 def overrides() -> tuple[Override, ...]:
-    """The overrides for TorchRec EBC/EC and FBGEMM's dense TBE; pass them to ``capture_train_step``."""
-    return (EmbeddingBagCollectionOverride(), EmbeddingCollectionOverride(), DenseTBEOverride())
+    """The overrides for TorchRec EBC/EC, FBGEMM's dense TBE and plain ``nn.EmbeddingBag``; pass them to
+    ``capture_train_step``. Modules are matched outermost first, so the ``nn.EmbeddingBag`` tables inside a
+    TorchRec EBC are the EBC override's, not :class:`EmbeddingBagOverride`'s."""
+    return (
+        EmbeddingBagCollectionOverride(),
+        EmbeddingCollectionOverride(),
+        DenseTBEOverride(),
+        EmbeddingBagOverride(),
+    )

@@ -2,12 +2,14 @@
 
 One accumulator per row (dim 0) holds the running sum of the row's mean squared gradient, so an
 embedding table of ``rows x D`` keeps ``rows`` floats of optimizer state instead of ``rows x D``.
+recir-capture recognises it by its ``recir_optimizer_kind`` class attribute (without importing this package)
+and captures the same maths, ``recir.transforms.rowwise_adagrad_update``, as the ``rowwise_adagrad`` kind.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from recir.transforms import rowwise_adagrad_update
@@ -20,6 +22,9 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     ``sum`` has shape ``[rows]``. Rows with a zero gradient are left unchanged (unless ``weight_decay``
     is set: the dense maths then decays every row, while FBGEMM decays only the rows a batch touches).
     """
+
+    #: capture's optimizer protocol: this class's step() is recir.transforms' ``rowwise_adagrad`` maths
+    recir_optimizer_kind: ClassVar[str] = "rowwise_adagrad"
 
     def __init__(
         self,

@@ -4,11 +4,12 @@ They stand at graph boundaries for kernels a compiler must not see into (FBGEMM 
 and each has a pure-ATen reference (``*_reference``) that in-graph backends and lowerings may use.
 
 Why the recommendation op ``recir::embedding_bag`` lives in this generic, torch-only leaf rather than in
-recir-embedding: recir-capture's ``EmbeddingBagOverride`` emits it for a plain ``nn.EmbeddingBag`` and
-capture depends on recir-transforms alone, and every StepGraph holding one must run in the reference
-interpreter and pass the verifier with only recir-transforms installed (the downstream teams that depend on
-it alone). recir-embedding owns everything built on it: the backends' kernels, sparse updates, quantised
-tables, TorchRec's ops (``recir::embedding`` and the rest are registered there).
+recir-embedding (whose ``EmbeddingBagOverride`` emits it for a plain ``nn.EmbeddingBag``, and whose TorchRec
+and TBE stand-ins do too): every StepGraph holding one must run in the reference interpreter and pass the
+verifier with only recir-transforms installed (the downstream teams that depend on it alone, and
+recir-capture, which captures and verifies such graphs without importing recir-embedding). recir-embedding
+owns everything built on it: the override, the backends' kernels, sparse updates, quantised tables,
+TorchRec's ops (``recir::embedding`` and the rest are registered there).
 """
 
 from __future__ import annotations

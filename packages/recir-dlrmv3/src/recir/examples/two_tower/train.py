@@ -14,7 +14,7 @@ import functools
 import recir.embedding as emb
 import recir.lower_gpu as lg
 import torch
-from recir.capture import RowWiseAdagrad, capture_train_step
+from recir.capture import capture_train_step
 from recir.distributed import CheckpointManager, checkpoint_meta, load_resharded
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     torch.manual_seed(0)
     model = TwoTower()
     dense, tables = model.mlp.parameters(), model.ebc.parameters()
-    optimizers = [torch.optim.Adam(dense, lr=1e-3), RowWiseAdagrad(tables, lr=0.05)]
+    optimizers = [torch.optim.Adam(dense, lr=1e-3), emb.RowWiseAdagrad(tables, lr=0.05)]
     step = capture_train_step(
         model, optimizers, loss_fn, make_batch(0), overrides=emb.overrides(), batch_buckets=[256]
     )
