@@ -30,7 +30,11 @@ def test_two_ranks_train_like_one_process():
             ("captured", ["data_parallel", "fsdp", "row_wise"], 10),
             # a TorchRec EmbeddingBagCollection fed global JaggedBatches split by rd.split_batch (the
             # standalone session installs no TorchRec: the ranks would fail to import it, not skip)
-            *([("torchrec", ["data_parallel", "row_wise"], 3)] if importlib.util.find_spec("torchrec") else []),
+            *(
+                [("torchrec", ["data_parallel", "row_wise"], 3)]
+                if importlib.util.find_spec("torchrec")
+                else []
+            ),
         ],
     )
 
