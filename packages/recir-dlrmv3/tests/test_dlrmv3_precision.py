@@ -69,3 +69,35 @@ def test_dlrmv3_bf16_default_debug_run_keeps_fp32_auc():
     assert auc_f > 0.75  # the debug data is learnable: a run that learns nothing cannot pass by luck
     assert abs(auc_b - auc_f) < 0.01, (auc_f, auc_b)
     assert fp32.losses != bf16.losses  # the bf16 run really ran other maths
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("fpu avx2 avx512f avx512_bf16", True),
+        ("fpu avx2 amx_bf16 amx_tile", True),
+        ("fpu sse2 avx2 fma", False),
+    ],
+)
+def test_cpu_bf16_units_are_read_from_the_cpu_flags(tmp_path, flags, expected):
+    from recir.dlrmv3._train import cpu_has_bf16_units
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\n")
+    assert cpu_has_bf16_units(str(info)) is expected
+    assert cpu_has_bf16_units(str(tmp_path / "absent")) is None  # unreadable: nothing claimed
+
+
+@pytest.mark.parametrize("units", [False, True, None])
+def test_bf16_on_a_cpu_without_bf16_units_warns_with_the_fix(monkeypatch, caplog, units):
+    import recir.dlrmv3._train as train_module
+
+    monkeypatch.setattr(train_module, "cpu_has_bf16_units", lambda: units)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("WARNING", logger="recir.dlrmv3"):
+        build(TrainOptions(**TINY, target="eager", precision="bf16"))
+        build(TrainOptions(**TINY, target="eager", precision="fp32"))
+    warned = [r.getMessage() for r in caplog.records if "bf16 units" in r.getMessage()]
+    assert len(warned) == (1 if units is False else 0)
+    if warned:
+        assert "Fix: use --precision fp32" in warned[0]

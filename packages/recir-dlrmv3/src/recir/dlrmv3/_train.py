@@ -15,7 +15,7 @@ from recir.transforms import ConfigError
 
 from ._batch import Batch, PaddingStats
 from ._data import Data, make_data, train_batches
-from ._logs import Progress, log_info
+from ._logs import LOGGER, Progress, log_info
 from ._metrics import MetricAccumulator
 from ._model import DLRMv3
 from ._optim import make_optimizers
@@ -46,9 +46,33 @@ def gpu_options(opts: TrainOptions) -> object:
     return GPUOptions(cuda_graphs=True)
 
 
+def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in its flags); None where the
+    flags cannot be read (not Linux), so nothing is claimed."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def _warn_slow_bf16(opts: TrainOptions) -> None:
+    if opts.precision != "bf16" or torch.cuda.is_available() or cpu_has_bf16_units() is not False:
+        return
+    LOGGER.warning(
+        "--precision bf16 on a CPU without bf16 units (no avx512_bf16 or amx_bf16 flag; torch uses %s): "
+        "bf16 matrix products are emulated and run far slower than fp32 here (measured on an AVX2 AMD EPYC: "
+        "a 1216x512x2048 product 4.9 s in bf16 against 24 ms in fp32). Fix: use --precision fp32 on this "
+        "machine; bf16 pays on CPUs with AMX or AVX512-BF16 and on GPUs.",
+        torch.backends.cpu.get_cpu_capability(),
+    )
+
+
 def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]]:
     """Model (seeded), data and optimizers for `opts`."""
     opts.check()
+    _warn_slow_bf16(opts)
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
     if opts.host_memory != "release":
