@@ -65,12 +65,16 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     # "torch.compile": the eager loop with torch.compile(loss_fn) (forward and, via AOTAutograd,
     # backward compiled; torch.optim's update eager), what a PyTorch user reaches for first.
     # "gpu+graphs": the GPU path replaying the whole step as one CUDA graph (CUDA only).
-    target = {"torch.compile": "eager", "gpu+graphs": "gpu"}.get(args.target, args.target)
+    # "gpu+autotune": the GPU path with Inductor's max-autotune (GEMM templates benchmarked against ATen's).
+    target = {"torch.compile": "eager", "gpu+graphs": "gpu", "gpu+autotune": "gpu"}.get(
+        args.target, args.target
+    )
     options = None
-    if args.target == "gpu+graphs":
+    if args.target in ("gpu+graphs", "gpu+autotune"):
         from recir.lower_gpu import GPUOptions
 
-        options = GPUOptions(cuda_graphs=True)
+        graphs = args.target == "gpu+graphs"
+        options = GPUOptions(cuda_graphs=True) if graphs else GPUOptions(mode="max-autotune-no-cudagraphs")
     trainer = make_trainer(
         target,
         model,
@@ -130,7 +134,7 @@ def main() -> None:
     p.add_argument(
         "--targets",
         default="eager,gpu,tpu",
-        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), tpu (default %(default)s)",
+        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, tpu (default %(default)s)",
     )
     p.add_argument(
         "--device",

@@ -3,7 +3,9 @@ the STU layer (against a per-token loop), the action encoder and the multitask l
 
 import math
 
+import pytest
 import torch
+import torch.fx.experimental.proxy_tensor
 import torch.nn.functional as F
 from recir.dlrmv3._layers import (
     STULayer,
@@ -100,6 +102,40 @@ def test_dlrmv3_stu_layer_matches_a_loop_reference():
     x = torch.randn(2, 6, 8, dtype=torch.float64)
     got = layer(x, mask, torch.tensor(6))
     torch.testing.assert_close(got, _stu_reference(layer, x, mask, 6.0))
+
+
+def test_dlrmv3_blocked_attention_equals_dense_with_gradients():
+    # Row blocks read only the keys up to their last row (the mask is causal): same values and gradients.
+    torch.manual_seed(0)
+    valid = valid_tokens(2, 9, torch.tensor([9, 4, 0]), torch.tensor([3, 1, 2]), 3)
+    mask = attention_mask(valid, token_order(2, 9, 3))  # N = 14
+    x = torch.randn(3, 14, 8, dtype=torch.float64)
+    dense = STULayer(dim=8, num_heads=2, head_dim=4, dropout=0.0, attention_blocks=1).double()
+    for p in dense.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    ref_out = dense(x, mask, torch.tensor(14))
+    ref_grads = torch.autograd.grad(ref_out.square().sum(), list(dense.parameters()))
+    for blocks in (2, 3, 14):
+        dense.attention_blocks = blocks
+        out = dense(x, mask, torch.tensor(14))
+        grads = torch.autograd.grad(out.square().sum(), list(dense.parameters()))
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_dlrmv3_attention_blocks_automatic_and_checked():
+    layer = STULayer(dim=8, num_heads=2, head_dim=4, dropout=0.0)
+    q = k = v = torch.zeros(1, 2, STULayer.BLOCKED_FROM, 4)
+    mask = torch.ones(1, STULayer.BLOCKED_FROM, STULayer.BLOCKED_FROM, dtype=torch.bool)
+    trace = torch.fx.experimental.proxy_tensor.make_fx(lambda *args: layer.attention(*args))
+    graph = trace(q, k, v, mask, torch.tensor(1))
+    assert sum(n.target == torch.ops.aten.cat.default for n in graph.graph.nodes) == 1  # two blocks joined
+    short = [t[:, :, :-1] for t in (q, k, v)]
+    graph = trace(*short, mask[:, :-1, :-1], torch.tensor(1))
+    assert not any(n.target == torch.ops.aten.cat.default for n in graph.graph.nodes)  # dense below it
+    with pytest.raises(ValueError, match="attention_blocks must be >= 1"):
+        STULayer(dim=8, num_heads=2, head_dim=4, dropout=0.0, attention_blocks=0)
 
 
 def test_dlrmv3_action_encoder_sums_learned_vectors_per_set_bit():

@@ -94,9 +94,19 @@ def time_features(timestamps: torch.Tensor) -> torch.Tensor:
 class STULayer(nn.Module):
     """One HSTU layer: pointwise SiLU attention over the target-aware causal mask, no softmax."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, dropout: float) -> None:
+    #: Sequences at least this long (padded slots) split their queries into two row blocks (see attention).
+    BLOCKED_FROM = 512
+
+    def __init__(
+        self, dim: int, num_heads: int, head_dim: int, dropout: float, attention_blocks: int | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.dropout = num_heads, head_dim, dropout
+        if attention_blocks is not None and attention_blocks < 1:
+            raise ValueError(
+                f"STULayer: attention_blocks must be >= 1 or None (automatic), got {attention_blocks}"
+            )
+        self.attention_blocks = attention_blocks
         self.input_norm = nn.LayerNorm(dim)
         self.uvqk = nn.Linear(dim, 4 * num_heads * head_dim)
         self.attn_norm = nn.LayerNorm(num_heads * head_dim)
@@ -104,11 +114,34 @@ class STULayer(nn.Module):
         self.alpha = 1.0 / math.sqrt(head_dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
-        """x [B, N, D], mask [B, N, N] bool, max_len: 0-d tensor (the batch's longest sequence)."""
+        """x [B, N, D], mask [B, N, N] bool and causal (no query sees a later slot, as `attention_mask`
+        builds it), max_len: 0-d tensor (the batch's longest sequence)."""
         u, q, k, v = self.project(x)
-        scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / max_len.to(x.dtype)
-        scores = scores * mask[:, None].to(x.dtype)
-        return self.combine(x, u, scores @ v)
+        return self.combine(x, u, self.attention(q, k, v, mask, max_len))
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, max_len: torch.Tensor
+    ) -> torch.Tensor:
+        """silu(alpha q k^T) / max_len, masked, times v: [B, H, N, A].
+
+        The mask is causal, so a block of query rows needs only the keys up to its last row: with
+        `attention_blocks` row blocks the products and the score tensors cover about (b + 1) / 2b of the
+        dense N x N (3/4 with two). The keys left out are masked to exact zeros, so the values are the
+        dense formulation's up to summation order. Automatic (None): two blocks from `BLOCKED_FROM`
+        slots (full-size layer at UIH 1024, batch 4, fwd + bwd under Inductor on a 2-core CPU: 753 ms
+        dense, 492 with two blocks, 611 with four; at UIH 256 two blocks gain nothing), else dense."""
+        n = q.shape[2]
+        blocks = self.attention_blocks or (2 if n >= self.BLOCKED_FROM else 1)
+        scale = max_len.to(q.dtype)
+        if blocks == 1:
+            scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / scale
+            return (scores * mask[:, None].to(q.dtype)) @ v
+        bounds = [n * i // blocks for i in range(blocks + 1)]
+        outs = []
+        for r0, r1 in zip(bounds[:-1], bounds[1:]):
+            scores = F.silu(self.alpha * (q[:, :, r0:r1] @ k[:, :, :r1].transpose(-1, -2))) / scale
+            outs.append((scores * mask[:, None, r0:r1, :r1].to(q.dtype)) @ v[:, :, :r1])
+        return torch.cat(outs, dim=2)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, N, D] -> u [B, N, H*A] (after SiLU) and q, k, v [B, H, N, A]."""
