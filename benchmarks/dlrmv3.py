@@ -73,8 +73,8 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     if args.target in ("gpu+graphs", "gpu+autotune"):
         from recir.lower_gpu import GPUOptions
 
-        graphs = args.target == "gpu+graphs"
-        options = GPUOptions(cuda_graphs=True) if graphs else GPUOptions(mode="max-autotune-no-cudagraphs")
+        option = {"gpu+graphs": {"cuda_graphs": True}, "gpu+autotune": {"mode": "max-autotune-no-cudagraphs"}}
+        options = GPUOptions(**option[args.target])
     trainer = make_trainer(
         target,
         model,
