@@ -3,7 +3,9 @@ of eager PyTorch, the GPU path and the TPU path, in fp32 and bf16, at the config
 docs/dlrmv3-reference.md; ratios against the reference loop's figures there and against eager measured here.
 
 Not a test. Each (configuration, target, precision) runs in its own process, so its peak RSS is its
-own. Full-size compiles are slow on a small CPU (the GPU path's Inductor C++ compile takes minutes
+own. The compiled paths pack each batch's real tokens (`--token_budget`, default auto: the per-batch mean
+plus two standard deviations of real tokens); eager and torch.compile rows run the padded layout, what
+a user's plain model definition runs. Full-size compiles are slow on a small CPU (the GPU path's Inductor C++ compile takes minutes
 cold); `--targets eager,tpu` or smaller `--embedding_dim/--num_layers` give quick numbers.
 """
 
@@ -57,6 +59,9 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         num_threads=args.threads,
         precision=args.precision,
         host_memory=args.host_memory,
+        token_budget=None
+        if args.target in ("eager", "torch.compile") or args.token_budget == "off"
+        else args.token_budget,
         seed=0,
     )
     model, data, optimizers = build(opts)
@@ -119,7 +124,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
 
 def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str) -> list[str]:
     keep = ("embedding_dim", "num_layers", "num_heads", "num_candidates", "hash_size", "threads", "steps",
-            "rounds", "warmup", "input_dropout", "layer_dropout", "host_memory")  # fmt: skip
+            "rounds", "warmup", "input_dropout", "layer_dropout", "host_memory", "token_budget")  # fmt: skip
     out = [sys.executable, __file__, "--one", "--uih", str(uih), "--target", target, "--precision", precision]
     out += ["--device", args.device, "--batch_size", str(args.batch_size)]
     for k in keep:
@@ -169,6 +174,12 @@ def main() -> None:
     p.add_argument("--layer_dropout", type=float, default=0.1)
     p.add_argument("--embedding_backend", default=None)
     p.add_argument(
+        "--token_budget",
+        default="auto",
+        help="the GPU and TPU paths' token rows per batch (recir-dlrmv3 train --token_budget): a number, "
+        "auto, or off (every padded slot) (default %(default)s)",
+    )
+    p.add_argument(
         "--timeout", type=float, default=0, help="seconds per row (0: none); a row over it prints 'failed'"
     )
     # one measurement in this process (what the parent runs per row)
@@ -190,7 +201,8 @@ def main() -> None:
         )
     print(f"device {device}, {args.threads} CPU thread(s), torch {torch.__version__}, dim {args.embedding_dim}, "
           f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over "
-          f"{args.rounds} rounds of {args.steps} steps; host memory {args.host_memory}; 'vs ref' = reference loop ms / ours "
+          f"{args.rounds} rounds of {args.steps} steps; host memory {args.host_memory}; GPU/TPU paths' token "
+          f"budget {args.token_budget}; 'vs ref' = reference loop ms / ours "
           "(docs/dlrmv3-reference.md: 2 CPU threads, so CPU runs only)")  # fmt: skip
     head = (
         f"{'uih':>5} {'batch':>5} {'target':>13} {'prec':>5} {'compile s':>9} {'min ms':>8} {'median ms':>9}"

@@ -48,8 +48,16 @@ def test_dlrmv3_parity_tpu(capsys):
     assert "parity FAILED" in capsys.readouterr().out
 
 
-def _gpu_path_parity(capsys, backend: str | None) -> str:  # type: ignore[no-untyped-def]
-    args = ["parity", "--target", "gpu", "--steps", "2", *FLAGS]
+@pytest.mark.tpu
+def test_dlrmv3_parity_tpu_with_packed_tokens(capsys):
+    # 36 token rows for 4 x (2 + 8 + 3) = 52 slots: the STU layers run on the packed rows (the longest
+    # histories of a batch over the budget lose their oldest events on both sides alike)
+    assert main(["parity", "--target", "tpu", "--steps", "2", "--token_budget", "36", *FLAGS]) == 0
+    assert "parity OK" in capsys.readouterr().out
+
+
+def _gpu_path_parity(capsys, backend: str | None, *extra: str) -> str:  # type: ignore[no-untyped-def]
+    args = ["parity", "--target", "gpu", "--steps", "2", *FLAGS, *extra]
     if backend:
         args += ["--embedding_backend", backend]
     assert main(args) == 0
@@ -75,6 +83,11 @@ def test_dlrmv3_parity_gpu_path_on_cpu(capsys):
     # The GPU path (Inductor) on the CPU device: one cold compile of the tiny step takes about a minute
     # on 2 cores (seconds with a warm cache), so this runs in CI.
     _gpu_path_parity(capsys, None)
+
+
+@pytest.mark.slow
+def test_dlrmv3_parity_gpu_path_on_cpu_with_packed_tokens(capsys):
+    _gpu_path_parity(capsys, None, "--token_budget", "36")
 
 
 @pytest.mark.slow

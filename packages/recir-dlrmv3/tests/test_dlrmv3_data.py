@@ -10,10 +10,12 @@ import torch
 from recir.dlrmv3 import (
     PADDING_ID,
     ModelConfig,
+    PaddingStats,
     Sample,
     auc,
     collate,
     dataset_spec,
+    fit_token_budget,
     latest_checkpoint,
     load_checkpoint,
     make_data,
@@ -55,6 +57,74 @@ def test_dlrmv3_collate_pads_truncates_and_hashes_to_static_shapes():
     assert all(isinstance(t, torch.Tensor) for t in flat)
     again = torch.utils._pytree.tree_unflatten(flat, spec_)
     assert again.features.length_per_key() == [8, 6, 2, 2]
+
+
+def _sample(uih: int, cand: int, t0: int = 100) -> Sample:
+    return Sample(
+        uih_ids=np.arange(uih) + 1,
+        uih_timestamps=np.arange(uih) + t0,
+        uih_actions=np.ones(uih, np.int64),
+        cand_ids=np.arange(cand) + 1,
+        cand_actions=np.ones(cand, np.int64),
+        contextual=np.array([1, 2]),
+    )
+
+
+def test_dlrmv3_token_budget_packs_real_tokens_and_trims_the_oldest_events():
+    spec = dataset_spec("debug")  # 2 contextual tokens; N = 2 + 6 + 3 = 11 slots per sample
+    samples = [_sample(6, 3), _sample(2, 1), _sample(5, 2)]
+    real = 3 * 2 + (6 + 2 + 5) + (3 + 1 + 2)  # 25 of 33 slots
+    padded = collate(samples, spec, 6, 3)
+    assert not padded.packed and padded.token_index.tolist() == list(range(33))
+    exact = collate(samples, spec, 6, 3, token_budget=real)
+    valid = [
+        j < 2 or (2 <= j < 8 and j - 2 < u) or (j >= 8 and j - 8 < c)
+        for u, c in ((6, 3), (2, 1), (5, 2))
+        for j in range(11)
+    ]
+    assert exact.packed and exact.token_index.tolist() == [i for i, v in enumerate(valid) if v]
+    assert exact.uih_lengths.tolist() == [6, 2, 5] and exact.max_seq_len[0] == 2 + 9
+    # two rows more than the real tokens: the first two padded slots, the index sorted and distinct
+    loose = collate(samples, spec, 6, 3, token_budget=real + 2)
+    extra = sorted(set(loose.token_index.tolist()) - set(exact.token_index.tolist()))
+    assert extra == [i for i, v in enumerate(valid) if not v][:2]
+    # 4 tokens over: the longest histories lose their oldest events (6 -> 4, 5 -> 3), candidates stay
+    trimmed = collate(samples, spec, 6, 3, token_budget=real - 4)
+    assert trimmed.uih_lengths.tolist() == [4, 2, 3] and trimmed.num_candidates.tolist() == [3, 1, 2]
+    assert trimmed.uih_timestamps[0].tolist() == [102, 103, 104, 105, 0, 0]  # the newest kept
+    assert trimmed.token_index.shape == (real - 4,) and trimmed.max_seq_len[0] == 2 + 7
+    kept, dropped = fit_token_budget(samples, 2, 6, 3, real - 5)  # an odd rest: one event more on one
+    assert dropped == 5 and sorted(len(s.uih_ids) for s in kept) == [2, 3, 3]
+    with pytest.raises(ValueError, match="below the batch's contextual tokens and candidates"):
+        fit_token_budget(samples, 2, 6, 3, 10)
+    stats = PaddingStats()
+    stats.add(exact)
+    assert (stats.real, stats.padded) == (19, 19) and stats.waste == 0.0
+
+
+def test_dlrmv3_token_budget_flag_auto_and_data_parallel_slices():
+    cfg = ModelConfig(embedding_dim=8, num_layers=1, uih_len=16, num_candidates=3, hash_size=100)
+    data = make_data("debug", cfg, batch_size=8, seed=0, token_budget="auto")
+    slots = 8 * (2 + 16 + 3)
+    reals = [
+        2 + min(s.uih_ids.size, 16) + min(s.cand_ids.size, 3) for s in (data.train[i] for i in range(4096))
+    ]
+    mean, sd = 8 * np.mean(reals), np.sqrt(8) * np.std(reals)
+    assert data.token_budget == min(slots, int(np.ceil((mean + 2 * sd) / 8) * 8)) < slots
+    assert data.train_batch(0).token_index.shape == (data.token_budget,)
+    assert not next(data.eval_batches(1)).packed  # eval batches stay whole
+    # two data-parallel slices: each trimmed to its half, the global norms from the trimmed batch
+    data.token_budget = 8 * 5 + 20
+    samples = [data.train[i] for i in data.train_indices(3)]
+    halves = [data.collate_slice(samples, r, 2) for r in range(2)]
+    assert all(h.token_index.shape == (30,) for h in halves)
+    lengths = torch.cat([h.uih_lengths for h in halves])
+    ncand = torch.cat([h.num_candidates for h in halves])
+    assert int(halves[0].max_seq_len[0]) == int(halves[1].max_seq_len[0]) == 2 + int((lengths + ncand).max())
+    with pytest.raises(ConfigError, match=r"--token_budget 30 is below .* \(8 x \(2 \+ 3\) = 40\)"):
+        make_data("debug", cfg, batch_size=8, seed=0, token_budget=30)
+    with pytest.raises(ConfigError, match="a number of tokens or 'auto', got 'many'"):
+        make_data("debug", cfg, batch_size=8, seed=0, token_budget="many")
 
 
 def test_dlrmv3_synthetic_data_is_deterministic_and_skewed():

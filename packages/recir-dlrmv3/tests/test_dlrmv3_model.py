@@ -2,6 +2,7 @@
 make_fx in fake mode, and float64 gradients against finite differences."""
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
@@ -63,9 +64,11 @@ class _Loss(nn.Module):
         return loss_fn(self.model, batch)
 
 
-def test_dlrmv3_forward_and_backward_trace_with_static_shapes_in_fake_mode():
+@pytest.mark.parametrize("token_budget", [None, 28])
+def test_dlrmv3_forward_and_backward_trace_with_static_shapes_in_fake_mode(token_budget):
     model, rows = _model(uih_len=6, num_candidates=3, input_dropout=0.2, layer_dropout=0.1)
-    batch = collate(random_samples(4), model.spec, 6, 3, rows)
+    batch = collate(random_samples(4), model.spec, 6, 3, rows, token_budget=token_budget)
+    assert batch.packed == (token_budget is not None)
     model.ec = _StaticEmbeddingStandIn(model, 4, 6, 3)  # type: ignore[assignment]
     wrapper = _Loss(model)
     params = dict(wrapper.named_parameters())
@@ -160,3 +163,33 @@ def test_dlrmv3_inference_graph_equals_eager_eval():
     with torch.no_grad():
         _, expected = loss_fn(model, batch)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dlrmv3_packed_tokens_equal_the_padded_layout_with_gradients():
+    # A token budget makes the STU layers compute the batch's real tokens only (Batch.token_index);
+    # the real candidates' logits, the loss and every gradient equal the padded layout's in float64.
+    model, rows = _model(uih_len=6, num_candidates=3, input_dropout=0.0, layer_dropout=0.0)
+    samples = random_samples(4, seed=5)
+    padded = collate(samples, model.spec, 6, 3, rows)
+    real = int(padded.uih_lengths.sum() + padded.num_candidates.sum()) + 4 * len(model.spec.contextual)
+    assert real < padded.num_slots
+    model.ec = _StaticEmbeddingStandIn(model, 4, 6, 3)  # type: ignore[assignment]
+    model = model.double()
+    results = []
+    for budget in (None, real, real + 3):
+        batch = collate(samples, model.spec, 6, 3, rows, token_budget=budget)
+        assert batch.packed == (budget is not None)
+        assert int(batch.token_index.shape[0]) == (budget or padded.num_slots)
+        model.zero_grad()
+        loss, logits = loss_fn(model, batch)
+        loss.backward()
+        results.append(
+            (loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        )
+    cand = torch.arange(3)[None, :] < padded.num_candidates[:, None]
+    for loss, logits, grads in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(logits[cand], results[0][1][cand], atol=1e-12, rtol=1e-12)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, results[0][2][name], atol=1e-12, rtol=1e-12, msg=name)
+    assert float(results[1][2]["layers.1.uvqk.weight"].abs().sum()) > 0

@@ -24,6 +24,8 @@ _EXPORTS = {
     "collate": "_batch",
     "PADDING_ID": "_batch",
     "PaddingStats": "_batch",
+    "fit_token_budget": "_batch",
+    "estimate_token_budget": "_batch",
     # datasets
     "DATASETS": "_config",
     "DatasetSpec": "_config",
@@ -72,6 +74,8 @@ if TYPE_CHECKING:
     from ._batch import PaddingStats as PaddingStats
     from ._batch import Sample as Sample
     from ._batch import collate as collate
+    from ._batch import estimate_token_budget as estimate_token_budget
+    from ._batch import fit_token_budget as fit_token_budget
     from ._checkpoint import latest_checkpoint as latest_checkpoint
     from ._checkpoint import load_checkpoint as load_checkpoint
     from ._checkpoint import save_checkpoint as save_checkpoint

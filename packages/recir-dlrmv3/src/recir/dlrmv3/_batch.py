@@ -4,12 +4,19 @@
 `Batch` whose every tensor has a static shape (UIH padded to `uih_len`, candidates to
 `num_candidates`, padding id 0) and carries the true lengths as tensors, plus the per-sample loss
 normaliser that makes a data-parallel slice's loss its share of the global batch's loss.
+
+A token budget packs the batch: `Batch.token_index` then lists fewer rows than the padded layout has
+slots (every real token plus as many padded slots as the budget leaves), and the model runs its
+per-token layers on those rows only (see `DLRMv3.forward`). A batch with more real tokens than its
+budget first loses the oldest UIH events of its longest histories (`fit_token_budget`), the same kind
+of truncation that `uih_len` already applies to each history.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -44,7 +51,12 @@ class Batch:
     `loss_norm[i]` is (real candidates of the global batch) / (global batch size), so `loss_norm.sum()`
     is the global count on the whole batch and its 1/D share on a slice (the loss divides by it);
     `max_seq_len[i]` is the global batch's longest token sequence (contextual + UIH + candidates),
-    which scales the attention."""
+    which scales the attention.
+
+    `token_index` [T] (sorted, distinct) names the slots of the flattened `[B, N]` token layout
+    (N = contextual + `uih_len` + `num_candidates`) that the per-token layers compute: every slot
+    (T = B * N, unpacked) without a token budget, else every real token plus the first padded slots
+    up to the budget."""
 
     features: KeyedJaggedTensor
     uih_lengths: torch.Tensor  # [B] int64, <= uih_len
@@ -54,10 +66,22 @@ class Batch:
     cand_actions: torch.Tensor  # [B, C] int64 action bitmasks (the labels)
     loss_norm: torch.Tensor  # [B] float32, the same value for every sample (see above)
     max_seq_len: torch.Tensor  # [B] int64, the same value for every sample (see above)
+    token_index: torch.Tensor  # [T] int64 slots the per-token layers compute (see above)
 
     @property
     def batch_size(self) -> int:
         return int(self.uih_lengths.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        """B * N: the padded layout's token slots (contextual + UIH + candidates per sample)."""
+        n_ctx = len(self.features.keys()) - 2
+        return self.batch_size * (n_ctx + self.uih_timestamps.shape[1] + self.cand_actions.shape[1])
+
+    @property
+    def packed(self) -> bool:
+        """Whether the per-token layers compute fewer rows than the padded layout has slots."""
+        return int(self.token_index.shape[0]) < self.num_slots
 
     def to(self, device: torch.device | str) -> Batch:
         return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, self)
@@ -105,9 +129,15 @@ class PaddingStats:
     padded: int = 0
 
     def add(self, batch: Batch) -> None:
+        """Counts UIH and candidate tokens: real ones, and the rows computed for them (slots, or a
+        packed batch's rows less its contextual tokens)."""
         L, C = batch.uih_timestamps.shape[1], batch.cand_actions.shape[1]
         self.real += int(batch.uih_lengths.sum() + batch.num_candidates.sum())
-        self.padded += batch.batch_size * (L + C)
+        if batch.packed:
+            n_ctx = batch.num_slots // batch.batch_size - L - C
+            self.padded += int(batch.token_index.shape[0]) - batch.batch_size * n_ctx
+        else:
+            self.padded += batch.batch_size * (L + C)
 
     @property
     def waste(self) -> float:
@@ -135,6 +165,66 @@ def _global_norms(
     return max(sum(cands), 1) / max(len(samples), 1), n_ctx + longest
 
 
+def _real_tokens(s: Sample, uih_len: int, num_candidates: int) -> tuple[int, int]:
+    """(UIH events, candidates) of `s` after `uih_len` / `num_candidates` truncation."""
+    return min(int(np.asarray(s.uih_ids).size), uih_len), min(
+        int(np.asarray(s.cand_ids).size), num_candidates
+    )
+
+
+def fit_token_budget(
+    samples: Sequence[Sample], n_ctx: int, uih_len: int, num_candidates: int, budget: int
+) -> tuple[list[Sample], int]:
+    """`samples` with at most `budget` real tokens (contextual + UIH + candidates), and how many UIH
+    events were dropped: while over budget, the longest histories lose their oldest events (one cap on
+    every history, the budget's rest spread one event each over the longest). Raises ValueError when
+    the contextual tokens and candidates alone exceed the budget."""
+    counts = [_real_tokens(s, uih_len, num_candidates) for s in samples]
+    uih = np.array([u for u, _ in counts], dtype=np.int64)
+    room = budget - sum(n_ctx + c for _, c in counts)
+    if room < 0:
+        raise ValueError(
+            f"token budget {budget} is below the batch's contextual tokens and candidates "
+            f"({budget - room}); raise it to at least {len(samples)} * (contextual + num_candidates)"
+        )
+    if int(uih.sum()) <= room:
+        return list(samples), 0
+    lo, hi = 0, int(uih.max())  # the largest cap with sum(min(uih, cap)) <= room
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if int(np.minimum(uih, mid).sum()) <= room else (lo, mid - 1)
+    caps = np.minimum(uih, lo)
+    spare = room - int(caps.sum())
+    for i in np.flatnonzero(uih > lo)[:spare]:
+        caps[i] += 1
+    out = []
+    for s, keep in zip(samples, caps):
+        n = int(np.asarray(s.uih_ids).size)
+        k = n - int(keep)  # keep the newest `keep` events
+        out.append(
+            replace(
+                s,
+                uih_ids=np.asarray(s.uih_ids)[k:],
+                uih_timestamps=np.asarray(s.uih_timestamps)[k:],
+                uih_actions=np.asarray(s.uih_actions)[k:],
+            )
+        )
+    return out, int(uih.sum() - caps.sum())
+
+
+def estimate_token_budget(
+    samples: Sequence[Sample], n_ctx: int, uih_len: int, num_candidates: int, batch_size: int
+) -> int:
+    """A token budget for batches of `batch_size` drawn like `samples`: the per-batch real-token mean
+    plus two standard deviations (independent samples), rounded up to a multiple of 8 and at most the
+    padded layout's slots; about 2% of batches then exceed it and are trimmed (`fit_token_budget`)."""
+    real = np.array([n_ctx + sum(_real_tokens(s, uih_len, num_candidates)) for s in samples], np.float64)
+    if real.size == 0:
+        raise ValueError("estimate_token_budget needs at least one sample")
+    mean = batch_size * float(real.mean()) + 2.0 * math.sqrt(batch_size) * float(real.std())
+    return min(int(math.ceil(mean / 8.0)) * 8, batch_size * (n_ctx + uih_len + num_candidates))
+
+
 def collate(
     samples: Sequence[Sample],
     spec: DatasetSpec,
@@ -142,13 +232,21 @@ def collate(
     num_candidates: int,
     rows: dict[str, int] | None = None,
     global_samples: Sequence[Sample] | None = None,
+    token_budget: int | None = None,
 ) -> Batch:
     """Pads `samples` to static shapes: the most recent `uih_len` UIH events, the first
     `num_candidates` candidates; with `rows` (feature -> table rows) ids are hashed into
     [1, rows) so that they never collide with the padding id 0. `global_samples`: the global batch
     that `samples` is a data-parallel slice of (default `samples`): its candidate count normalises the
-    loss and its longest sequence the attention (`Batch.loss_norm`, `Batch.max_seq_len`)."""
+    loss and its longest sequence the attention (`Batch.loss_norm`, `Batch.max_seq_len`).
+    `token_budget`: pack the batch into at most that many token rows (`Batch.token_index`), first
+    trimming it with `fit_token_budget` (a data-parallel caller trims `global_samples` slice by slice
+    beforehand, so that its norms describe the trimmed batch)."""
     B = len(samples)
+    n_ctx = len(spec.contextual)
+    slots = B * (n_ctx + uih_len + num_candidates)
+    if token_budget is not None:
+        samples, _ = fit_token_budget(samples, n_ctx, uih_len, num_candidates, token_budget)
     everyone = samples if global_samples is None else global_samples
     norm, longest = _global_norms(everyone, len(spec.contextual), uih_len, num_candidates)
     uih: np.ndarray = np.zeros((B, uih_len), np.int64)
@@ -177,6 +275,10 @@ def collate(
             ctx[:, j] = ctx[:, j] % max(rows[name] - 1, 1) + 1  # contextual 0 is a real value
     uih_mask = np.arange(uih_len)[None, :] < lengths[:, None]
     cand_mask = np.arange(num_candidates)[None, :] < ncand[:, None]
+    valid = np.concatenate([np.ones((B, n_ctx), bool), uih_mask, cand_mask], axis=1).reshape(-1)
+    packed_rows = slots if token_budget is None else min(token_budget, slots)
+    real = np.flatnonzero(valid)
+    token_index = np.sort(np.concatenate([real, np.flatnonzero(~valid)[: packed_rows - real.size]]))
     uih, ts, act = uih * uih_mask, ts * uih_mask, act * uih_mask
     cand, cact = cand * cand_mask, cact * cand_mask
     values = np.concatenate([uih.reshape(-1), cand.reshape(-1), ctx.T.reshape(-1)])
@@ -199,4 +301,5 @@ def collate(
         cand_actions=torch.from_numpy(cact),
         loss_norm=torch.full((B,), norm, dtype=torch.float32),
         max_seq_len=torch.full((B,), longest, dtype=torch.int64),
+        token_index=torch.from_numpy(token_index.astype(np.int64)),
     )

@@ -52,6 +52,15 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     m = p.add_argument_group("model")
     for name in ("embedding_dim", "num_layers", "num_heads", "uih_len", "num_candidates", "hash_size"):
         m.add_argument(f"--{name}", type=int, default=d[name], help="default %(default)s")
+    m.add_argument(
+        "--token_budget",
+        default=d["token_budget"],
+        metavar="N|auto",
+        help="pack each train batch: its per-token layers compute only its real tokens, in N rows per "
+        "global batch (a batch with more real tokens loses the oldest UIH events of its longest histories "
+        "first); auto: the per-batch mean plus two standard deviations of the train data's real tokens "
+        "(about 2%% of batches trimmed). Default: off, every padded slot",
+    )
     m.add_argument("--input_dropout", type=float, default=d["input_dropout"], help="default %(default)s")
     m.add_argument("--layer_dropout", type=float, default=d["layer_dropout"], help="default %(default)s")
     o = p.add_argument_group("optimization")

@@ -15,7 +15,7 @@ from recir.transforms import ConfigError
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
-from ._batch import Batch, PaddingStats, Sample, collate
+from ._batch import Batch, PaddingStats, Sample, collate, estimate_token_budget, fit_token_budget
 from ._config import DatasetSpec, ModelConfig, dataset_spec
 from ._files import load_file_dataset
 from ._synthetic import SyntheticDataset
@@ -38,6 +38,8 @@ class Data:
     seed: int
     shuffle: bool
     stats: PaddingStats = field(default_factory=PaddingStats)
+    # real tokens per global train batch that its per-token layers compute (None: every padded slot)
+    token_budget: int | None = None
 
     @property
     def rows(self) -> dict[str, int]:
@@ -47,9 +49,27 @@ class Data:
     def batches_per_epoch(self) -> int:
         return max(len(self.train) // self.batch_size, 1)
 
-    def _collate(self, samples: Sequence[Sample], global_samples: Sequence[Sample] | None = None) -> Batch:
+    def _collate(self, samples: Sequence[Sample], budget: int | None = None) -> Batch:
         cfg = self.config
-        return collate(samples, self.spec, cfg.uih_len, cfg.num_candidates, self.rows, global_samples)
+        return collate(samples, self.spec, cfg.uih_len, cfg.num_candidates, self.rows, token_budget=budget)
+
+    def collate_slice(self, samples: Sequence[Sample], rank: int, world: int) -> Batch:
+        """Rank `rank`'s contiguous slice of the global batch `samples` (`world` equal slices). With a
+        token budget every slice is trimmed to its share first, so that the global norms
+        (`Batch.loss_norm`, `Batch.max_seq_len`) describe the batch the ranks train on."""
+        cfg, n = self.config, len(samples) // world
+        budget = None if self.token_budget is None else -(-self.token_budget // world)
+        if budget is not None:
+            slices = [samples[r * n : (r + 1) * n] for r in range(world)]
+            fit = [
+                fit_token_budget(s, len(self.spec.contextual), cfg.uih_len, cfg.num_candidates, budget)
+                for s in slices
+            ]
+            samples = [s for kept, _ in fit for s in kept]
+        return collate(
+            samples[rank * n : (rank + 1) * n], self.spec, cfg.uih_len, cfg.num_candidates, self.rows,
+            global_samples=samples, token_budget=budget,
+        )  # fmt: skip
 
     def train_indices(self, step: int) -> list[int]:
         """Sample indices of global train step `step` (epoch-wise permutation when shuffling)."""
@@ -62,7 +82,7 @@ class Data:
         return [int(perm[(lo + i) % n]) for i in range(self.batch_size)]
 
     def train_batch(self, step: int) -> Batch:
-        return self._collate([self.train[i] for i in self.train_indices(step)])
+        return self._collate([self.train[i] for i in self.train_indices(step)], self.token_budget)
 
     def eval_batches(self, num_batches: int) -> Iterator[Batch]:
         """The first `num_batches` full eval batches, in order (the same every time)."""
@@ -111,8 +131,12 @@ def make_data(
     batch_size: int,
     seed: int,
     data_dir: str | Path | None = None,
+    token_budget: int | str | None = None,
 ) -> Data:
-    """The dataset `name` (see `DATASETS`) with its train/eval split."""
+    """The dataset `name` (see `DATASETS`) with its train/eval split. `token_budget` (train batches
+    only; eval batches stay unpacked and untrimmed): real tokens per global batch that the per-token
+    layers compute, `"auto"` for `estimate_token_budget` over the first 4096 train samples, None for
+    every padded slot."""
     if batch_size < 1:
         raise ConfigError(f"--batch_size must be >= 1, got {batch_size}")
     spec = dataset_spec(name)
@@ -122,6 +146,29 @@ def make_data(
         )
         train: SampleSource = SyntheticDataset(spec, seed=seed, split="train", **common)
         evals: SampleSource = SyntheticDataset(spec, seed=seed, split="eval", size=1 << 14, **common)
-        return Data(spec, config, train, evals, batch_size, seed, shuffle=False)
-    tr, ev = load_file_dataset(spec, data_dir)
-    return Data(spec, config, tr, ev, batch_size, seed, shuffle=True)
+        data = Data(spec, config, train, evals, batch_size, seed, shuffle=False)
+    else:
+        tr, ev = load_file_dataset(spec, data_dir)
+        data = Data(spec, config, tr, ev, batch_size, seed, shuffle=True)
+    data.token_budget = _token_budget(data, token_budget)
+    return data
+
+
+def _token_budget(data: Data, budget: int | str | None) -> int | None:
+    cfg, n_ctx, B = data.config, len(data.spec.contextual), data.batch_size
+    floor = B * (n_ctx + cfg.num_candidates)
+    if budget is None:
+        return None
+    if budget == "auto":
+        sample = [data.train[i] for i in range(min(len(data.train), 4096))]
+        return estimate_token_budget(sample, n_ctx, cfg.uih_len, cfg.num_candidates, B)
+    if isinstance(budget, str) and not budget.isdigit():
+        raise ConfigError(f"--token_budget must be a number of tokens or 'auto', got {budget!r}")
+    value = int(budget)
+    if value < floor:
+        raise ConfigError(
+            f"--token_budget {value} is below a full batch's contextual tokens and candidates ({B} x "
+            f"({n_ctx} + {cfg.num_candidates}) = {floor}), which packing never drops. Fix: "
+            f"--token_budget auto, or at least {floor} plus the UIH tokens to keep."
+        )
+    return value

@@ -8,10 +8,37 @@ it in fake mode (no `.item()`, no data-dependent Python branches).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class _Take(torch.autograd.Function):
+    """`x[indices]` (advanced indexing) for indices that name distinct elements: its backward writes the
+    gradient into zeros (`index_put`) instead of accumulating it (`index_put(accumulate=True)`, which a
+    compiler must assume may collide and so emits as atomic adds)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x[indices]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(*inputs[1:])
+        ctx.shape = inputs[0].shape
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        indices = ctx.saved_tensors
+        out = grad.new_zeros(ctx.shape).index_put(indices, grad)
+        return (out, *([None] * len(indices)))
+
+
+def take(x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+    """`x[indices]` for indices naming distinct elements (see `_Take`)."""
+    return _Take.apply(x, *indices)  # type: ignore[no-any-return]
 
 
 class SwishLayerNorm(nn.Module):
@@ -119,6 +146,33 @@ class STULayer(nn.Module):
         u, q, k, v = self.project(x)
         return self.combine(x, u, self.attention(q, k, v, mask, max_len))
 
+    def forward_packed(
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        shape: tuple[int, int],
+        mask: torch.Tensor,
+        max_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer on packed rows: x [T, D] holds the slots `index` [T] (sorted, distinct; every real
+        token among them, `Batch.token_index`) of the flattened `[B, N]` layout, `shape` = (B, N). The
+        per-token work (norms, projections, the output) runs on the T rows; q, k and v are scattered
+        to `[B, H, N, A]` (zeros in the other slots, which the mask hides) for the attention only, and
+        its output gathered back. Real rows equal `forward`'s up to summation order."""
+        B, N = shape
+        H, A = self.num_heads, self.head_dim
+        uvqk = self.uvqk(self.input_norm(x))
+        u = F.silu(uvqk[:, : H * A])
+        # (sample, head, slot) of each row and head: q, k, v go straight to [B, H, N, A] and the
+        # attention output comes back from it in runs of A contiguous elements (no transposes).
+        at = (index // N)[:, None], torch.arange(H, device=x.device)[None, :], (index % N)[:, None]
+        v, q, k = (
+            uvqk.new_zeros(B, H, N, A).index_put(at, t.reshape(-1, H, A))
+            for t in uvqk[:, H * A :].split(H * A, dim=-1)
+        )
+        attn = take(self.attention(q, k, v, mask, max_len), *at)
+        return self._residual(x, u, attn.reshape(-1, H * A))
+
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, max_len: torch.Tensor
     ) -> torch.Tensor:
@@ -155,7 +209,10 @@ class STULayer(nn.Module):
     def combine(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input x [B, N, D], u and the attention output attn [B, H, N, A]."""
         B, N, _ = x.shape
-        attn = attn.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)
+        return self._residual(x, u, attn.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
+
+    def _residual(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x + W_out dropout(concat[u, attn, u * LN(attn)]), on any leading shape."""
         y = u * self.attn_norm(attn)
         out = torch.cat([u, attn, y], dim=-1)
         return x + self.output(F.dropout(out, self.dropout, self.training))

@@ -20,6 +20,7 @@ from ._layers import (
     attention_mask,
     mlp,
     position_ids,
+    take,
     time_buckets,
     time_features,
     token_order,
@@ -142,8 +143,15 @@ class DLRMv3(nn.Module):
         x = F.dropout(x, cfg.input_dropout, self.training) * valid[..., None].to(x.dtype)
         mask = attention_mask(valid, token_order(n_ctx, L, C))
         max_len = batch.max_seq_len.max()  # the global batch's longest sequence (see Batch)
-        for layer in self.layers:
-            x = layer(x, mask, max_len)
+        if batch.packed:  # per-token work on the batch's token rows only (Batch.token_index)
+            index, N = batch.token_index, x.shape[1]
+            rows = take(x.reshape(B * N, D), index)
+            for layer in self.layers:
+                rows = layer.forward_packed(rows, index, (B, N), mask, max_len)
+            x = rows.new_zeros(B * N, D).index_copy(0, index, rows).view(B, N, D)
+        else:
+            for layer in self.layers:
+                x = layer(x, mask, max_len)
 
         # Postprocessor on candidates: hour/day cos/sin -> Linear -> LN.
         user = x[:, n_ctx + L :, :]

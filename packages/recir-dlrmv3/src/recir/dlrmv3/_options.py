@@ -31,6 +31,9 @@ class TrainOptions:
     layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
     precision: str = "fp32"
+    # real tokens per global train batch that the per-token layers compute (packing): a number, "auto"
+    # (recir.dlrmv3.estimate_token_budget) or None (every padded slot)
+    token_budget: str | None = None
     # GPU path on CUDA: replay the whole step as one CUDA graph (the id checks then leave the graph)
     cuda_graphs: bool = False
     log_every: int = 50
@@ -106,6 +109,10 @@ class TrainOptions:
         for key in ("input_dropout", "layer_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise config_error(f"--{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.token_budget is not None and self.token_budget != "auto" and not self.token_budget.isdigit():
+            raise config_error(
+                f"--token_budget must be a number of tokens or 'auto', got {self.token_budget!r}"
+            )
         if self.host_memory not in ("retain", "heap", "release"):
             raise config_error(
                 f"unknown --host_memory {self.host_memory!r}; expected retain, heap or release"

@@ -50,6 +50,4 @@ def check_batch_split(batch_size: int, data_size: int) -> None:
 def local_batch(data: Data, step: int, rank: int, world: int) -> Batch:
     """Rank `rank`'s contiguous slice of global train step `step`'s samples (the global batch split),
     its loss normalised by the global batch's candidate count (`Batch.loss_norm`)."""
-    samples = [data.train[i] for i in data.train_indices(step)]
-    n = len(samples) // world
-    return data._collate(samples[rank * n : (rank + 1) * n], global_samples=samples)
+    return data.collate_slice([data.train[i] for i in data.train_indices(step)], rank, world)

@@ -80,7 +80,17 @@ def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]
 
         retain_host_memory()
     config = opts.model_config()
-    data = make_data(opts.dataset, config, batch_size=opts.batch_size, seed=opts.seed, data_dir=opts.data_dir)
+    data = make_data(
+        opts.dataset,
+        config,
+        batch_size=opts.batch_size,
+        seed=opts.seed,
+        data_dir=opts.data_dir,
+        token_budget=opts.token_budget,
+    )
+    if data.token_budget is not None:
+        slots = opts.batch_size * (len(data.spec.contextual) + config.uih_len + config.num_candidates)
+        log_info(f"token packing: {data.token_budget} rows per global batch of {slots} padded slots")
     torch.manual_seed(opts.seed)
     model = DLRMv3(data.spec, config)
     return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.optimizer, opts.target)
