@@ -13,6 +13,7 @@ from ._config import (
     OPTIMIZERS,
     PARALLEL,
     PRECISIONS,
+    RECOMPUTE,
     TABLE_SHARDINGS,
     TARGETS,
 )
@@ -103,6 +104,14 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         default=d["precision"],
         help="fp32, or bf16: matrix products in bf16 with fp32 master weights and optimizer state "
         "(recir-mixed-precision on the captured step; torch.autocast on --target eager) (default %(default)s)",
+    )
+    c.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default=d["recompute"],
+        help="recir-recompute-activations on the captured step: none; layers (each STU layer's activations "
+        "recomputed in the backward from the layer's input: activation checkpointing); auto (elementwise "
+        "values and norms recomputed, matrix products kept) (default %(default)s)",
     )
 
 

@@ -118,6 +118,10 @@ def _kuairand_spec() -> DatasetSpec:
 TARGETS = ("eager", "eager-graph", "gpu", "tpu")
 # fp32 everywhere, or bf16 matrix products with fp32 master weights and optimizer state
 PRECISIONS = ("fp32", "bf16")
+#: --recompute: none; layers (every STU layer recomputed in the backward from its input, activation
+#: checkpointing); auto (recir-recompute-activations' cost policy: elementwise values and norms recomputed,
+#: products kept, across the whole model)
+RECOMPUTE = ("none", "layers", "auto")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
 # --table_sharding: row-, table-, column-wise, or the planner's choice by memory budget
 TABLE_SHARDINGS = ("row", "table", "column", "auto")

@@ -31,6 +31,7 @@ class TrainOptions:
     layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
     precision: str = "fp32"
+    recompute: str = "none"  # recir-recompute-activations: none | layers | auto (RECOMPUTE)
     # real tokens per global train batch that the per-token layers compute (packing): a number, "auto"
     # (recir.dlrmv3.estimate_token_budget) or None (every padded slot)
     token_budget: str | None = None
@@ -121,7 +122,7 @@ class TrainOptions:
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
             raise config_error("--checkpoint_every needs --checkpoint_dir")
-        from ._config import PARALLEL, PRECISIONS
+        from ._config import PARALLEL, PRECISIONS, RECOMPUTE
 
         if self.embedding_backend == "cpu" and self.target != "tpu":
             raise config_error(
@@ -140,6 +141,15 @@ class TrainOptions:
         if self.precision not in PRECISIONS:
             raise config_error(
                 f"unknown --precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}"
+            )
+        if self.recompute not in RECOMPUTE:
+            raise config_error(
+                f"unknown --recompute {self.recompute!r}; expected one of {', '.join(RECOMPUTE)}"
+            )
+        if self.recompute != "none" and self.target == "eager":
+            raise config_error(
+                f"--recompute {self.recompute} rewrites the captured step; --target eager has none. Fix: "
+                "--target gpu, tpu or eager-graph, or --recompute none."
             )
         if self.cuda_graphs and (self.target != "gpu" or self.parallel != "none"):
             raise config_error(

@@ -115,6 +115,7 @@ def run_parity(
         data.train_batch(0),
         opts.embedding_backend,
         compile_options=gpu_options(opts),
+        recompute=opts.recompute,
     )
     rows: list[ParityRow] = []
     log(f"parity: eager vs {compiled.description}, {steps} steps, atol {atol:g}")

@@ -212,6 +212,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         compile_options=gpu_options(opts),
         table_sharding=opts.table_sharding,
         hbm_budget_gib=opts.hbm_budget_gib,
+        recompute=opts.recompute,
     )
     for line in getattr(trainer, "plan_lines", []):  # placements and each choice's traffic per step
         log(line)

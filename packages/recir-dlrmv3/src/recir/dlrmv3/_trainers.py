@@ -19,7 +19,7 @@ from recir.capture import load_into, state_from, with_shared_step
 from recir.transforms import ConfigError
 
 from ._batch import Batch
-from ._config import EMBEDDING_BACKENDS, PRECISIONS, TARGETS
+from ._config import EMBEDDING_BACKENDS, PRECISIONS, RECOMPUTE, TARGETS
 from ._model import DLRMv3, loss_fn
 
 _RNG = "rng:torch_cpu"
@@ -142,6 +142,7 @@ class CompiledTrainer:
         compile_options: Any = None,
         table_sharding: str | None = None,
         hbm_budget_gib: float | None = None,
+        recompute: str = "none",
     ) -> None:
         from recir.capture import capture_train_step
         from recir.embedding import overrides
@@ -160,8 +161,13 @@ class CompiledTrainer:
         opt: Any = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         model.train()
         started = time.perf_counter()
-        self.graph = precision_pipeline(precision).run(
-            capture_train_step(model, opt, loss_fn, example, overrides=overrides())
+        rewrites = step_pipeline(precision, recompute)
+        self.graph = rewrites.run(capture_train_step(model, opt, loss_fn, example, overrides=overrides()))
+        recomputed = "".join(
+            f", --recompute {recompute}: {r.stats['regions']} region(s), interpreter peak "
+            f"{r.stats['peak_bytes_before'] / 2**20:.0f} -> {r.stats['peak_bytes_after'] / 2**20:.0f} MiB"
+            for r in rewrites.records
+            if r.name == "recir-recompute-activations"
         )
         self.plan: Any = None  # the recir.distributed plan of a distributed run
         self.checkpoint_plan = None  # the plan state_dict()'s shards follow (None: global tensors)
@@ -181,6 +187,7 @@ class CompiledTrainer:
             program = self.dstep = rd.distribute(self.graph, self.plan, rank)
             backend = torch.distributed.get_backend()
             where = f", {world} rank(s), parallel {parallel} ({self.plan.mode}), {backend} process group"
+        where += recomputed
         self.plan_lines = describe_plan(self.plan) if self.plan is not None else []
         self.capture_seconds = time.perf_counter() - started
         if lowering is None:
@@ -240,16 +247,22 @@ class CompiledTrainer:
         return self.model
 
 
-def precision_pipeline(precision: str) -> Any:
-    """The StepGraph rewrites `--precision` asks for: none for fp32; bf16 matrix products (fp32 master
-    weights and optimizer state) for bf16."""
-    from recir.transforms import MixedPrecision, Pipeline
+def step_pipeline(precision: str, recompute: str = "none") -> Any:
+    """The StepGraph rewrites `--precision` and `--recompute` ask for: bf16 matrix products (fp32 master
+    weights and optimizer state) for bf16; the STU layers' activations recomputed in the backward
+    (`layers`), or the cheap values of every module (`auto`)."""
+    from recir.transforms import MixedPrecision, Pipeline, Recompute
 
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown --precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
-    return Pipeline(
-        [MixedPrecision(compute_dtype="bfloat16")] if precision == "bf16" else [], name="precision"
-    )
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"unknown --recompute {recompute!r}; expected one of {', '.join(RECOMPUTE)}")
+    transforms: list[Any] = [MixedPrecision(compute_dtype="bfloat16")] if precision == "bf16" else []
+    if recompute == "layers":
+        transforms.append(Recompute(policy="regions", modules=("layers.*",)))
+    elif recompute == "auto":
+        transforms.append(Recompute(policy="cost"))
+    return Pipeline(transforms, name="step")
 
 
 def check_parallel(target: str, parallel: str, has_mesh: bool) -> None:
@@ -276,6 +289,7 @@ def make_trainer(
     compile_options: Any = None,
     table_sharding: str | None = None,
     hbm_budget_gib: float | None = None,
+    recompute: str = "none",
 ) -> Trainer:
     """`eager`, or the captured step on `target` (CompiledTrainer: `parallel` other than `none` on the GPU
     path trains this rank's program, `example` then this rank's batch). `device` places the eager trainer
@@ -285,4 +299,4 @@ def make_trainer(
         return EagerTrainer(model, optimizers, precision, device)
     parallel = "dp" if mesh is not None and parallel == "none" else parallel  # a mesh alone: data parallel
     args = (embedding_backend, mesh, parallel, precision, compile_options, table_sharding, hbm_budget_gib)
-    return CompiledTrainer(model, optimizers, example, target, *args)
+    return CompiledTrainer(model, optimizers, example, target, *args, recompute=recompute)

@@ -27,7 +27,7 @@ from recir.transforms import (
 from ._distributed import distribute_for_lowering
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
-from ._store import register_inductor_lowering, store_rng_masks
+from ._store import expand_recompute_barriers, register_inductor_lowering, store_rng_masks
 
 log = logging.getLogger("recir.lower_gpu")
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
@@ -75,6 +75,20 @@ class StoreRngMasks(Transform):
         if stored:
             log.info("recir.lower_gpu: %d dropout mask(s) stored once, not recomputed per reader", stored)
         return TransformResult(step, bool(stored), {"masks": stored})
+
+
+@register_transform
+class ExpandRecomputeBarriers(Transform):
+    """recir-recompute-activations' barriers as plain ATen (each entry ORs in a zero read from the backward
+    value the copies wait for): Inductor then neither computes the copies early nor fuses them into
+    their forward twins."""
+
+    name = "recir-gpu-expand-recompute-barriers"
+    summary = "recompute barriers as ATen data dependencies on the backward"
+
+    def run(self, step: StepGraph) -> TransformResult:
+        expanded = expand_recompute_barriers(step.graph_module)
+        return TransformResult(step, bool(expanded), {"barriers": expanded})
 
 
 @register_transform
@@ -179,6 +193,8 @@ def gpu_pipeline(
         transforms.append(CutHostSplit())
     if options.store_rng_masks:
         transforms.append(StoreRngMasks())
+    if any(n.target is torch.ops.recir.recompute_barrier.default for n in step.graph.nodes):
+        transforms.append(ExpandRecomputeBarriers())
     transforms += [
         RetargetDevices(device=str(device)),
         CheckKernels(device=str(device), planned=plan is not None),

@@ -46,6 +46,71 @@ def register_inductor_lowering() -> None:
         return x
 
 
+_UINT = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+def expand_recompute_barriers(gm: fx.GraphModule) -> int:
+    """Replace each ``recir::recompute_barrier`` (recir-recompute-activations) by what keeps Inductor from
+    computing the copies early or fusing them into their forward twins: every entry ORs in a zero read
+    from the backward value the barrier waits for (bit-exact; no compiler can prove the zero). Returns
+    how many barriers were expanded."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.recir.recompute_barrier.default:
+            continue
+        xs = list(node.args[0])
+        with gm.graph.inserting_before(node):
+            if len(xs) > 1:
+                first, val = xs[-1], xs[-1].meta["val"]
+                while val.dim():  # its first element, as a 0-d tensor
+                    first = gm.graph.call_function(torch.ops.aten.select.int, (first, 0, 0))
+                    val = val.select(0, 0)
+                    first.meta.update(node.meta, val=val)
+                small = gm.graph.call_function(
+                    torch.ops.aten._to_copy.default, (first,), {"dtype": torch.uint8}
+                )
+                zero = gm.graph.call_function(torch.ops.aten.clamp_max.default, (small, 0))
+                small.meta.update(node.meta, val=val.to(torch.uint8))
+                zero.meta.update(node.meta, val=small.meta["val"])
+            outs = [
+                _or_zero(gm.graph, x, zero, node) if len(xs) > 1 and i < len(xs) - 1 else x
+                for i, x in enumerate(xs)
+            ]
+        for user in list(node.users):
+            user.replace_all_uses_with(outs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _or_zero(graph: fx.Graph, x: fx.Node, zero: fx.Node, barrier: fx.Node) -> fx.Node:
+    val = x.meta["val"]
+    aten = torch.ops.aten
+    if val.dtype == torch.bool:
+        nonzero = graph.call_function(aten.gt.Scalar, (zero, 0))
+        nonzero.meta.update(barrier.meta, val=zero.meta["val"] > 0)
+        out = graph.call_function(aten.bitwise_or.Tensor, (x, nonzero))
+        out.meta.update(barrier.meta, val=val.clone())
+        return out
+    bits = _UINT[val.element_size()] if val.is_floating_point() else val.dtype
+    as_bits = graph.call_function(aten.view.dtype, (x, bits)) if bits != val.dtype else x
+    z = graph.call_function(aten._to_copy.default, (zero,), {"dtype": bits})
+    ored = graph.call_function(aten.bitwise_or.Tensor, (as_bits, z))
+    out = graph.call_function(aten.view.dtype, (ored, val.dtype)) if bits != val.dtype else ored
+    for n, v in (
+        (as_bits, val.view(bits)),
+        (z, zero.meta["val"].to(bits)),
+        (ored, val.view(bits)),
+        (out, val),
+    ):
+        if n is not x:  # integer entries are their own bits
+            n.meta.update(barrier.meta, val=v)
+    return out
+
+
 def store_rng_masks(gm: fx.GraphModule) -> int:
     """Route every read of a ``recir.rng_mask`` node through ``recir::store``; returns how many."""
     count = 0

@@ -55,6 +55,28 @@ def _bag_segments(indices, offset2bag, num_bags: int, padding_idx):
     return seg, counts
 
 
+@register_jax_lowering("recir::recompute_barrier")
+def recir_recompute_barrier(xs):
+    """recir-recompute-activations' fence: without it XLA merges the backward's recomputed values with
+    the forward's (CSE) and keeps them alive across the step. ``optimization_barrier`` is that fence on
+    TPU (JAX's remat uses it), but XLA:CPU drops it before CSE (measured, jax 0.10.2); so each output
+    also ORs in a zero computed from the last input (the backward value the copies wait for): bit-exact,
+    and no compiler can prove it equal to its forward twin or schedule it before that value."""
+    xs = list(jax.lax.optimization_barrier(tuple(xs)))
+    if len(xs) < 2:
+        return xs
+    last = xs[-1].reshape(-1)[:1]
+    zero = jnp.minimum(last.astype(jnp.uint8), jnp.uint8(0))[0]  # 0: an unsigned minimum with 0
+    return [*(_or_zero(x, zero) for x in xs[:-1]), xs[-1]]
+
+
+def _or_zero(x, zero):
+    if x.dtype == jnp.bool_:
+        return jnp.logical_or(x, zero > 0)
+    bits = jnp.dtype(f"uint{x.dtype.itemsize * 8}")
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, bits) | zero.astype(bits), x.dtype)
+
+
 @register_jax_lowering("aten::_embedding_bag")
 @register_jax_lowering("aten::_embedding_bag_forward_only")
 def aten_embedding_bag(

@@ -175,9 +175,12 @@ from ._transform import (
 from ._transform import (
     registered_transforms as registered_transforms,
 )
+from ._transforms import RECOMPUTE_KEY as RECOMPUTE_KEY
 from ._transforms import CommonSubexpressionElimination as CommonSubexpressionElimination
 from ._transforms import DeadCodeElimination as DeadCodeElimination
 from ._transforms import MixedPrecision as MixedPrecision
+from ._transforms import Recompute as Recompute
+from ._transforms import transient_peak_bytes as transient_peak_bytes
 from ._verify import INVARIANTS as INVARIANTS
 from ._verify import register_graph_namespace as register_graph_namespace
 from ._verify import verify as verify
@@ -277,6 +280,9 @@ __all__ = [
     "DeadCodeElimination",
     "CommonSubexpressionElimination",
     "MixedPrecision",
+    "Recompute",
+    "RECOMPUTE_KEY",
+    "transient_peak_bytes",
     # profiles: time per StepGraph region
     "RegionTime",
     "region_times",
