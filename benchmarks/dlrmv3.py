@@ -62,6 +62,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         token_budget=None
         if args.target in ("eager", "torch.compile") or args.token_budget == "off"
         else args.token_budget,
+        token_buckets=args.token_buckets if args.target not in ("eager", "torch.compile") else 1,
         seed=0,
     )
     model, data, optimizers = build(opts)
@@ -89,6 +90,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         precision=args.precision,
         device=device,
         compile_options=options,
+        token_buckets=data.token_buckets,
     )
     if args.target == "torch.compile":
         trainer.loss_fn = torch.compile(loss_fn)  # type: ignore[attr-defined]
@@ -99,6 +101,8 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
 
     for b in batches(0, args.warmup):
         trainer.step(b)
+    for b in data.bucket_examples(0):  # --token_buckets: every budget's step compiled before timing
+        trainer.step(b.to(device) if cuda else b)
     first = time.perf_counter() - started
     rounds = []
     for r in range(args.rounds):
@@ -124,7 +128,8 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
 
 def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str) -> list[str]:
     keep = ("embedding_dim", "num_layers", "num_heads", "num_candidates", "hash_size", "threads", "steps",
-            "rounds", "warmup", "input_dropout", "layer_dropout", "host_memory", "token_budget")  # fmt: skip
+            "rounds", "warmup", "input_dropout", "layer_dropout", "host_memory", "token_budget",
+            "token_buckets")  # fmt: skip
     out = [sys.executable, __file__, "--one", "--uih", str(uih), "--target", target, "--precision", precision]
     out += ["--device", args.device, "--batch_size", str(args.batch_size)]
     for k in keep:
@@ -178,6 +183,13 @@ def main() -> None:
         default="auto",
         help="the GPU and TPU paths' token rows per batch (recir-dlrmv3 train --token_budget): a number, "
         "auto, or off (every padded slot) (default %(default)s)",
+    )
+    p.add_argument(
+        "--token_buckets",
+        type=int,
+        default=1,
+        help="with --token_budget auto: that many budgets, one compiled step each (recir-dlrmv3 train "
+        "--token_buckets) (default %(default)s)",
     )
     p.add_argument(
         "--timeout", type=float, default=0, help="seconds per row (0: none); a row over it prints 'failed'"

@@ -83,6 +83,8 @@ CLI: list[tuple[str, Argv, list[str]]] = [
      ["--token_budget must be a number of tokens or 'auto'", "got 'lots'"]),
     ("token_budget below the contextual tokens and candidates", lambda t, c: ["train", "--token_budget", "10"],
      ["--token_budget 10 is below a full batch's contextual tokens and candidates", "Fix: --token_budget auto"]),
+    ("token_buckets without auto", lambda t, c: ["train", "--token_buckets", "3"],
+     ["--token_buckets 3", "takes --token_budget auto", "Fix: add --token_budget auto"]),
     ("checkpoint_every without dir", lambda t, c: ["train", "--checkpoint_every", "2"],
      ["--checkpoint_every", "needs --checkpoint_dir"]),
     ("keep_checkpoints 0", lambda t, c: ["train", "--keep_checkpoints", "0"], ["--keep_checkpoints", ">= 1"]),

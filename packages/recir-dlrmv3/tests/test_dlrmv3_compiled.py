@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 from _dlrmv3_events import run_dirs, scalars
 from _dlrmv3_output import messages
 from recir.dlrmv3 import TrainOptions, train
@@ -54,6 +55,34 @@ def test_dlrmv3_parity_tpu_with_packed_tokens(capsys):
     # histories of a batch over the budget lose their oldest events on both sides alike)
     assert main(["parity", "--target", "tpu", "--steps", "2", "--token_budget", "36", *FLAGS]) == 0
     assert "parity OK" in capsys.readouterr().out
+
+
+@pytest.mark.tpu
+def test_dlrmv3_tpu_token_buckets_compile_once_per_budget_and_train_one_state():
+    # three budgets: a compiled step each, one state through them all, equal to the unpacked run (the
+    # batches here all fit their buckets, so nothing is trimmed)
+    from recir.dlrmv3._train import build
+    from recir.dlrmv3._trainers import BucketedTrainer, make_trainer
+
+    sizes = dict(TINY, batch_size=8, uih_len=32, input_dropout=0.0, layer_dropout=0.0)
+    states, rows = [], []
+    for extra in ({}, dict(token_budget="auto", token_buckets=3)):
+        opts = TrainOptions(**sizes, target="tpu", **extra)  # type: ignore[arg-type]
+        model, data, optimizers = build(opts)
+        trainer = make_trainer(
+            "tpu", model, optimizers, data.train_batch(0), token_buckets=data.token_buckets
+        )
+        for step in range(10):
+            batch = data.train_batch(step)
+            rows.append(int(batch.token_index.shape[0]))
+            trainer.step(batch)
+        states.append(trainer.state_dict())
+    assert isinstance(trainer, BucketedTrainer) and sorted(trainer.by_rows) == sorted(set(rows[10:]))
+    assert len(trainer.by_rows) == 3 and max(rows[10:]) < rows[0]  # three budgets, all below the slots
+    for name, value in states[0].items():  # parameters and optimizer state
+        assert value.dtype == states[1][name].dtype
+        if value.is_floating_point():
+            torch.testing.assert_close(states[1][name], value, rtol=0, atol=1e-6, msg=name)
 
 
 def _gpu_path_parity(capsys, backend: str | None, *extra: str) -> str:  # type: ignore[no-untyped-def]

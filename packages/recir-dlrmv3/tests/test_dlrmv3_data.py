@@ -127,6 +127,33 @@ def test_dlrmv3_token_budget_flag_auto_and_data_parallel_slices():
         make_data("debug", cfg, batch_size=8, seed=0, token_budget="many")
 
 
+def test_dlrmv3_token_buckets_pack_each_batch_into_the_smallest_budget_that_holds_it():
+    cfg = ModelConfig(embedding_dim=8, num_layers=1, uih_len=32, num_candidates=3, hash_size=100)
+    data = make_data("debug", cfg, batch_size=8, seed=0, token_budget="auto", token_buckets=3)
+    single = make_data("debug", cfg, batch_size=8, seed=0, token_budget="auto").token_budget
+    buckets = data.token_buckets
+    assert (
+        2 <= len(buckets) <= 3 and list(buckets) == sorted(set(buckets)) and buckets[-1] == data.token_budget
+    )
+    assert all(b % 8 == 0 for b in buckets) and buckets[0] < single
+    assert "budgets" in data.bucket_report and f"one budget of {single}" in data.bucket_report
+    seen = set()
+    for step in range(64):  # the window the buckets came from: none of its batches is trimmed
+        samples = [data.train[i] for i in data.train_indices(step)]
+        real = sum(2 + min(s.uih_ids.size, 32) + min(s.cand_ids.size, 3) for s in samples)
+        rows = int(data.train_batch(step).token_index.shape[0])
+        assert rows == min(b for b in buckets if b >= real), (step, real, rows)
+        seen.add(rows)
+        if step == 5:  # data-parallel slices pack into one bucket's share
+            halves = [data.collate_slice(samples, r, 2) for r in range(2)]
+            assert all(int(h.token_index.shape[0]) == -(-rows // 2) for h in halves)
+    assert seen == set(buckets)  # every budget is used
+    examples = data.bucket_examples(7)
+    assert [int(e.token_index.shape[0]) for e in examples] == list(buckets)
+    with pytest.raises(ConfigError, match="it takes --token_budget auto .*got --token_budget 200"):
+        make_data("debug", cfg, batch_size=8, seed=0, token_budget=200, token_buckets=2)
+
+
 def test_dlrmv3_synthetic_data_is_deterministic_and_skewed():
     a = make_data("debug", CFG, batch_size=8, seed=3)
     b = make_data("debug", CFG, batch_size=8, seed=3)

@@ -172,6 +172,11 @@ def _real_tokens(s: Sample, uih_len: int, num_candidates: int) -> tuple[int, int
     )
 
 
+def real_tokens(samples: Sequence[Sample], n_ctx: int, uih_len: int, num_candidates: int) -> int:
+    """The real tokens (contextual, UIH events, candidates after truncation) of `samples` together."""
+    return sum(n_ctx + sum(_real_tokens(s, uih_len, num_candidates)) for s in samples)
+
+
 def fit_token_budget(
     samples: Sequence[Sample], n_ctx: int, uih_len: int, num_candidates: int, budget: int
 ) -> tuple[list[Sample], int]:
@@ -221,8 +226,8 @@ def estimate_token_budget(
     real = np.array([n_ctx + sum(_real_tokens(s, uih_len, num_candidates)) for s in samples], np.float64)
     if real.size == 0:
         raise ValueError("estimate_token_budget needs at least one sample")
-    mean = batch_size * float(real.mean()) + 2.0 * math.sqrt(batch_size) * float(real.std())
-    return min(int(math.ceil(mean / 8.0)) * 8, batch_size * (n_ctx + uih_len + num_candidates))
+    budget = batch_size * float(real.mean()) + 2.0 * math.sqrt(batch_size) * float(real.std())
+    return min(int(math.ceil(budget / 8.0)) * 8, batch_size * (n_ctx + uih_len + num_candidates))
 
 
 def collate(

@@ -62,6 +62,15 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         "first); auto: the per-batch mean plus two standard deviations of the train data's real tokens "
         "(about 2%% of batches trimmed). Default: off, every padded slot",
     )
+    m.add_argument(
+        "--token_buckets",
+        type=int,
+        default=d["token_buckets"],
+        metavar="K",
+        help="with --token_budget auto: K budgets instead of one, chosen from the real tokens of the first "
+        "64 train batches (recir.embedding.suggest_buckets); each batch packs into the smallest that holds "
+        "it, one compiled step per budget, all training one state (default %(default)s)",
+    )
     m.add_argument("--input_dropout", type=float, default=d["input_dropout"], help="default %(default)s")
     m.add_argument("--layer_dropout", type=float, default=d["layer_dropout"], help="default %(default)s")
     o = p.add_argument_group("optimization")

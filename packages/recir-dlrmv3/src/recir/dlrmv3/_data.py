@@ -15,7 +15,15 @@ from recir.transforms import ConfigError
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
-from ._batch import Batch, PaddingStats, Sample, collate, estimate_token_budget, fit_token_budget
+from ._batch import (
+    Batch,
+    PaddingStats,
+    Sample,
+    collate,
+    estimate_token_budget,
+    fit_token_budget,
+    real_tokens,
+)
 from ._config import DatasetSpec, ModelConfig, dataset_spec
 from ._files import load_file_dataset
 from ._synthetic import SyntheticDataset
@@ -40,6 +48,10 @@ class Data:
     stats: PaddingStats = field(default_factory=PaddingStats)
     # real tokens per global train batch that its per-token layers compute (None: every padded slot)
     token_budget: int | None = None
+    # several budgets (make_data(token_buckets=K), ascending, the last == token_budget): each train batch
+    # packs into the smallest that holds its real tokens, one compiled step per budget; () = one budget
+    token_buckets: tuple[int, ...] = ()
+    bucket_report: str = ""  # how the buckets were chosen, for the log
 
     @property
     def rows(self) -> dict[str, int]:
@@ -53,12 +65,25 @@ class Data:
         cfg = self.config
         return collate(samples, self.spec, cfg.uih_len, cfg.num_candidates, self.rows, token_budget=budget)
 
-    def collate_slice(self, samples: Sequence[Sample], rank: int, world: int) -> Batch:
+    def budget_for(self, samples: Sequence[Sample]) -> int | None:
+        """The token budget the global train batch `samples` packs into: `token_budget`, or with
+        `token_buckets` the smallest bucket holding its real tokens (else the largest, which trims)."""
+        if not self.token_buckets:
+            return self.token_budget
+        cfg = self.config
+        real = real_tokens(samples, len(self.spec.contextual), cfg.uih_len, cfg.num_candidates)
+        return next((b for b in self.token_buckets if b >= real), self.token_buckets[-1])
+
+    def collate_slice(
+        self, samples: Sequence[Sample], rank: int, world: int, budget: int | None | str = "auto"
+    ) -> Batch:
         """Rank `rank`'s contiguous slice of the global batch `samples` (`world` equal slices). With a
-        token budget every slice is trimmed to its share first, so that the global norms
-        (`Batch.loss_norm`, `Batch.max_seq_len`) describe the batch the ranks train on."""
+        token budget (`budget`: "auto" for `budget_for(samples)`, else the global batch's) every slice
+        is trimmed to its share first, so that the global norms (`Batch.loss_norm`,
+        `Batch.max_seq_len`) describe the batch the ranks train on."""
         cfg, n = self.config, len(samples) // world
-        budget = None if self.token_budget is None else -(-self.token_budget // world)
+        total = self.budget_for(samples) if budget == "auto" else budget
+        budget = None if total is None else -(-int(total) // world)
         if budget is not None:
             slices = [samples[r * n : (r + 1) * n] for r in range(world)]
             fit = [
@@ -82,7 +107,13 @@ class Data:
         return [int(perm[(lo + i) % n]) for i in range(self.batch_size)]
 
     def train_batch(self, step: int) -> Batch:
-        return self._collate([self.train[i] for i in self.train_indices(step)], self.token_budget)
+        return self.collate_slice([self.train[i] for i in self.train_indices(step)], 0, 1)
+
+    def bucket_examples(self, step: int, rank: int = 0, world: int = 1) -> list[Batch]:
+        """Global train step `step`'s batch (this rank's slice) packed into each of `token_buckets`:
+        one example per compiled step."""
+        samples = [self.train[i] for i in self.train_indices(step)]
+        return [self.collate_slice(samples, rank, world, b) for b in self.token_buckets]
 
     def eval_batches(self, num_batches: int) -> Iterator[Batch]:
         """The first `num_batches` full eval batches, in order (the same every time)."""
@@ -132,11 +163,14 @@ def make_data(
     seed: int,
     data_dir: str | Path | None = None,
     token_budget: int | str | None = None,
+    token_buckets: int = 1,
+    bucket_window: int = 64,
 ) -> Data:
     """The dataset `name` (see `DATASETS`) with its train/eval split. `token_budget` (train batches
     only; eval batches stay unpacked and untrimmed): real tokens per global batch that the per-token
     layers compute, `"auto"` for `estimate_token_budget` over the first 4096 train samples, None for
-    every padded slot."""
+    every padded slot. `token_buckets` > 1 (with `token_budget="auto"`): that many budgets, chosen by
+    `recir.embedding.suggest_buckets` over the real tokens of the first `bucket_window` train batches."""
     if batch_size < 1:
         raise ConfigError(f"--batch_size must be >= 1, got {batch_size}")
     spec = dataset_spec(name)
@@ -151,7 +185,41 @@ def make_data(
         tr, ev = load_file_dataset(spec, data_dir)
         data = Data(spec, config, tr, ev, batch_size, seed, shuffle=True)
     data.token_budget = _token_budget(data, token_budget)
+    if token_buckets != 1:
+        _token_buckets(data, token_budget, token_buckets, bucket_window)
     return data
+
+
+def _token_buckets(data: Data, budget: int | str | None, k: int, window: int) -> None:
+    from recir.embedding import suggest_buckets
+
+    if k < 1 or window < 1:
+        raise ConfigError(f"--token_buckets and --bucket_window must be >= 1, got {k} and {window}")
+    if budget != "auto":
+        raise ConfigError(
+            f"--token_buckets {k} chooses its budgets from the data; it takes --token_budget auto (got "
+            f"--token_budget {budget}). Fix: add --token_budget auto, or drop --token_buckets."
+        )
+    cfg, n_ctx = data.config, len(data.spec.contextual)
+    slots = data.batch_size * (n_ctx + cfg.uih_len + cfg.num_candidates)
+    sizes = [
+        real_tokens([data.train[i] for i in data.train_indices(s)], n_ctx, cfg.uih_len, cfg.num_candidates)
+        for s in range(window)
+    ]
+    chosen = suggest_buckets({"tokens": sizes}, max_buckets=k, multiple_of=8).buckets["tokens"]
+    data.token_buckets = tuple(sorted({min(b, slots) for b in chosen}))
+    data.token_budget = data.token_buckets[-1]
+
+    def waste(buckets: Sequence[int]) -> float:
+        rows = [next((b for b in buckets if b >= n), buckets[-1]) for n in sizes]
+        return sum(r - min(r, n) for r, n in zip(rows, sizes)) / sum(sizes)
+
+    single = _token_budget(data, "auto") or slots
+    data.bucket_report = (
+        f"{len(data.token_buckets)} budgets {list(data.token_buckets)} from the real tokens of the first {window} "
+        f"train batches (padded rows {waste([slots]):.1%} unpacked, {waste([single]):.1%} with one budget "
+        f"of {single}, {waste(data.token_buckets):.1%} with these)"
+    )
 
 
 def _token_budget(data: Data, budget: int | str | None) -> int | None:

@@ -35,6 +35,9 @@ class TrainOptions:
     # real tokens per global train batch that the per-token layers compute (packing): a number, "auto"
     # (recir.dlrmv3.estimate_token_budget) or None (every padded slot)
     token_budget: str | None = None
+    # with --token_budget auto: that many budgets (recir.embedding.suggest_buckets over the first 64
+    # train batches' real tokens), one compiled step each
+    token_buckets: int = 1
     # GPU path on CUDA: replay the whole step as one CUDA graph (the id checks then leave the graph)
     cuda_graphs: bool = False
     log_every: int = 50
@@ -113,6 +116,12 @@ class TrainOptions:
         if self.token_budget is not None and self.token_budget != "auto" and not self.token_budget.isdigit():
             raise config_error(
                 f"--token_budget must be a number of tokens or 'auto', got {self.token_budget!r}"
+            )
+        if self.token_buckets < 1 or (self.token_buckets > 1 and self.token_budget != "auto"):
+            raise config_error(
+                f"--token_buckets {self.token_buckets} needs a count >= 1, and more than 1 chooses its budgets "
+                f"from the data: it takes --token_budget auto (got {self.token_budget}). Fix: add --token_budget "
+                "auto, or leave --token_buckets at 1."
             )
         if self.host_memory not in ("retain", "heap", "release"):
             raise config_error(

@@ -116,6 +116,7 @@ def run_parity(
         opts.embedding_backend,
         compile_options=gpu_options(opts),
         recompute=opts.recompute,
+        token_buckets=data.token_buckets,
     )
     rows: list[ParityRow] = []
     log(f"parity: eager vs {compiled.description}, {steps} steps, atol {atol:g}")

@@ -87,8 +87,11 @@ def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]
         seed=opts.seed,
         data_dir=opts.data_dir,
         token_budget=opts.token_budget,
+        token_buckets=opts.token_buckets,
     )
-    if data.token_budget is not None:
+    if data.bucket_report:
+        log_info(f"token packing: {data.bucket_report}")
+    elif data.token_budget is not None:
         slots = opts.batch_size * (len(data.spec.contextual) + config.uih_len + config.num_candidates)
         log_info(f"token packing: {data.token_budget} rows per global batch of {slots} padded slots")
     torch.manual_seed(opts.seed)
@@ -213,6 +216,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         table_sharding=opts.table_sharding,
         hbm_budget_gib=opts.hbm_budget_gib,
         recompute=opts.recompute,
+        token_buckets=data.token_buckets,
     )
     for line in getattr(trainer, "plan_lines", []):  # placements and each choice's traffic per step
         log(line)

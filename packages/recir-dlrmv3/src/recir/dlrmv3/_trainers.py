@@ -8,8 +8,9 @@ Every trainer exposes its state as one flat `slot name -> tensor` dict (the Step
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from ._config import EMBEDDING_BACKENDS, PRECISIONS, RECOMPUTE, TARGETS
 from ._model import DLRMv3, loss_fn
 
 _RNG = "rng:torch_cpu"
+_log = logging.getLogger("recir.dlrmv3")
 
 
 class Trainer(Protocol):
@@ -143,7 +145,9 @@ class CompiledTrainer:
         table_sharding: str | None = None,
         hbm_budget_gib: float | None = None,
         recompute: str = "none",
+        state: Any = None,
     ) -> None:
+        """`state`: another trainer's (same slots) to continue from instead of the model's."""
         from recir.capture import capture_train_step
         from recir.embedding import overrides
 
@@ -212,7 +216,7 @@ class CompiledTrainer:
                 self.description += (
                     f" ({len(tbe.split.tables)} table(s) trained by FBGEMM's TBE, fused optimizer)"
                 )
-        self.state = self.compiled.init_state(model, opt)
+        self.state = self.compiled.init_state(model, opt) if state is None else state
         self._first = True
         self.compile_seconds = 0.0
 
@@ -245,6 +249,67 @@ class CompiledTrainer:
             )
         load_into(self.model, (), state)
         return self.model
+
+
+class BucketedTrainer:
+    """One CompiledTrainer per token budget (`Data.token_buckets`), captured and compiled when a batch
+    of that budget first comes, all continuing one state: each batch runs the step of its own row
+    count. Everything else (state_dict, plan, description) is the first budget's trainer's."""
+
+    def __init__(
+        self,
+        first: CompiledTrainer,
+        rows: int,
+        make: Callable[[Batch, Any], CompiledTrainer],
+        num_budgets: int,
+    ) -> None:
+        self.first, self._make, self.num_budgets = first, make, num_budgets
+        self.by_rows: dict[int, CompiledTrainer] = {rows: first}
+        self.compiles_seconds: list[float] = []  # of the later budgets, each on its first batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["first"], name)
+
+    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        current = self._current()
+        trainer = self.by_rows.get(_rows(batch))
+        if trainer is None:
+            started = time.perf_counter()
+            trainer = self.by_rows[_rows(batch)] = self._make(batch, current.state)
+            out = trainer.step(batch)
+            self.compiles_seconds.append(time.perf_counter() - started)
+            _log.info(
+                "token budget %d rows: step captured and compiled in %.2fs (%d of %d budgets)",
+                _rows(batch), self.compiles_seconds[-1], len(self.by_rows), self.num_budgets,
+            )  # fmt: skip
+        else:
+            trainer.state = current.state
+            out = trainer.step(batch)
+        if trainer is not current:
+            current.state = None  # one live state: the last trainer's
+            self._last = trainer
+        return out
+
+    def _current(self) -> CompiledTrainer:
+        return self.__dict__.get("_last", self.first)
+
+    @property
+    def state(self) -> Any:
+        return self._current().state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._current().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        current = self._current()
+        current.load_state_dict(state)
+
+    def sync_model(self) -> DLRMv3:
+        return self._current().sync_model()
+
+
+def _rows(batch: Batch) -> int:
+    return int(batch.token_index.shape[0])
 
 
 def step_pipeline(precision: str, recompute: str = "none") -> Any:
@@ -290,13 +355,22 @@ def make_trainer(
     table_sharding: str | None = None,
     hbm_budget_gib: float | None = None,
     recompute: str = "none",
+    token_buckets: Sequence[int] = (),
 ) -> Trainer:
     """`eager`, or the captured step on `target` (CompiledTrainer: `parallel` other than `none` on the GPU
     path trains this rank's program, `example` then this rank's batch). `device` places the eager trainer
-    only; `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the lowering's compile()."""
+    only; `compile_options` (e.g. recir.lower_gpu.GPUOptions) go to the lowering's compile(). Two or
+    more `token_buckets` (`Data.token_buckets`; `example` packed into one of them): a BucketedTrainer."""
     check_parallel(target, parallel, mesh is not None)
     if target == "eager":
         return EagerTrainer(model, optimizers, precision, device)
     parallel = "dp" if mesh is not None and parallel == "none" else parallel  # a mesh alone: data parallel
     args = (embedding_backend, mesh, parallel, precision, compile_options, table_sharding, hbm_budget_gib)
-    return CompiledTrainer(model, optimizers, example, target, *args, recompute=recompute)
+    first = CompiledTrainer(model, optimizers, example, target, *args, recompute=recompute)
+    if len(token_buckets) < 2:
+        return first
+
+    def make(batch: Batch, state: Any) -> CompiledTrainer:
+        return CompiledTrainer(model, optimizers, batch, target, *args, recompute=recompute, state=state)
+
+    return BucketedTrainer(first, _rows(example), make, len(token_buckets))

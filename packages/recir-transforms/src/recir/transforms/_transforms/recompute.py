@@ -118,7 +118,9 @@ def _recomputable(node: fx.Node, keep_rng_masks: bool) -> bool:
 
 def _group(scope: str, patterns: Sequence[str]) -> str | None:
     """The shortest module path prefix of ``scope`` that one of ``patterns`` matches, or None."""
-    parts = scope.split(".") if scope else []
+    if not scope:  # the top-level module: "*" matches it
+        return "" if any(fnmatch.fnmatchcase("", p) for p in patterns) else None
+    parts = scope.split(".")
     for i in range(1, len(parts) + 1):
         prefix = ".".join(parts[:i])
         if any(fnmatch.fnmatchcase(prefix, p) for p in patterns):
@@ -296,7 +298,7 @@ class Recompute(Transform):
         env: dict[fx.Node, Any] = {}
         with graph.inserting_before(first):
             barrier_in = [*entries, *([anchor] if anchor is not None else [])]
-            if barrier_in:
+            if entries:
                 barrier = graph.call_function(torch.ops.recir.recompute_barrier.default, (barrier_in,))
                 self._meta(barrier, [a.meta["val"] for a in barrier_in], plan.group, None)
                 barrier.meta[OVERRIDE_KEY] = NAME
