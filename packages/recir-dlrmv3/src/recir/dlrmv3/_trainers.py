@@ -301,8 +301,7 @@ class BucketedTrainer:
         return self._current().state_dict()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        current = self._current()
-        current.load_state_dict(state)
+        self._current().load_state_dict(state)
 
     def sync_model(self) -> DLRMv3:
         return self._current().sync_model()

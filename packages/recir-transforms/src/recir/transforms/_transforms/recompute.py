@@ -77,15 +77,14 @@ def transient_peak_bytes(step: StepGraph) -> int:
     nodes = list(step.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     returned = {b for v in step.graph.output_node().args[0] if isinstance(v, fx.Node) for b in alias_chain(v)}
+    base = {n: alias_chain(n)[-1] for n in nodes if n.op == "call_function"}
     last: dict[fx.Node, int] = {}
-    for n in nodes:
-        if n.op == "call_function":
-            base = alias_chain(n)[-1]
-            last[base] = max(last.get(base, order[n]), *(order[u] for u in n.users), order[n])
+    for n, b in base.items():
+        last[b] = max(last.get(b, order[n]), *(order[u] for u in n.users), order[n])
     frees: dict[int, int] = {}
     live = peak = 0
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and n not in returned and alias_chain(n)[-1] is n:
+        if base.get(n) is n and n not in returned:
             live += _bytes(n)
             frees[last[n]] = frees.get(last[n], 0) + _bytes(n)
         peak = max(peak, live)
@@ -94,13 +93,9 @@ def transient_peak_bytes(step: StepGraph) -> int:
 
 
 def _cheap(node: fx.Node) -> bool:
-    """Cheap to recompute (the cost policy): elementwise ops, views, copies, reductions and norms."""
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
-        return False
-    return target not in _PRODUCTS
+    """Of the recomputable nodes (getitems and aten ops), the cheap ones for the cost policy: elementwise
+    ops, views, copies, reductions and norms; products are kept."""
+    return node.target not in _PRODUCTS
 
 
 def _recomputable(node: fx.Node, keep_rng_masks: bool) -> bool:
@@ -132,8 +127,7 @@ def _group(scope: str, patterns: Sequence[str]) -> str | None:
 class _Plan:
     group: str
     nodes: list[fx.Node]  # the region's recomputable forward nodes, in graph order
-    targets: list[fx.Node]  # those a backward node reads
-    saved_bytes: int  # what the targets hold today
+    saved_bytes: int  # what those a backward node reads hold today
 
 
 @register_transform
@@ -256,9 +250,9 @@ class Recompute(Transform):
                 groups.setdefault(group, []).append(node)
         plans = []
         for group, nodes in groups.items():
-            targets = [n for n in nodes if any(u.meta.get(PHASE_KEY) == "backward" for u in n.users)]
-            if targets:
-                plans.append(_Plan(group, nodes, targets, sum(_bytes(t) for t in targets)))
+            read = [n for n in nodes if any(u.meta.get(PHASE_KEY) == "backward" for u in n.users)]
+            if read:
+                plans.append(_Plan(group, nodes, sum(_bytes(t) for t in read)))
         return plans
 
     # -- rewriting ----------------------------------------------------------------------------------
@@ -268,7 +262,8 @@ class Recompute(Transform):
         if cost:
             members = {n for n in members if _cheap(n)}
         saved = {n for n in step.graph.nodes if any(u.meta.get(PHASE_KEY) == "backward" for u in n.users)}
-        targets = [n for n in plan.nodes if n in saved]  # again: an earlier region's barrier may read one
+        # recounted per region: an earlier region's barrier may now read one of these nodes
+        targets = [n for n in plan.nodes if n in saved]
         chosen: list[fx.Node] = []
         closure: set[fx.Node] = set()
         for target in targets:
