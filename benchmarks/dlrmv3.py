@@ -72,14 +72,19 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     # backward compiled; torch.optim's update eager), what a PyTorch user reaches for first.
     # "gpu+graphs": the GPU path replaying the whole step as one CUDA graph (CUDA only).
     # "gpu+autotune": the GPU path with Inductor's max-autotune (GEMM templates benchmarked against ATen's).
-    target = {"torch.compile": "eager", "gpu+graphs": "gpu", "gpu+autotune": "gpu"}.get(
+    # "gpu+regions": the GPU path compiling each STU layer's code once (GPUOptions(regions="repeated")).
+    target = {"torch.compile": "eager", "gpu+graphs": "gpu", "gpu+autotune": "gpu", "gpu+regions": "gpu"}.get(
         args.target, args.target
     )
     options = None
-    if args.target in ("gpu+graphs", "gpu+autotune"):
+    if args.target in ("gpu+graphs", "gpu+autotune", "gpu+regions"):
         from recir.lower_gpu import GPUOptions
 
-        option = {"gpu+graphs": {"cuda_graphs": True}, "gpu+autotune": {"mode": "max-autotune-no-cudagraphs"}}
+        option = {
+            "gpu+graphs": {"cuda_graphs": True},
+            "gpu+autotune": {"mode": "max-autotune-no-cudagraphs"},
+            "gpu+regions": {"regions": "repeated"},
+        }
         options = GPUOptions(**option[args.target])
     trainer = make_trainer(
         target,
@@ -144,7 +149,7 @@ def main() -> None:
     p.add_argument(
         "--targets",
         default="eager,gpu,tpu",
-        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, tpu (default %(default)s)",
+        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, tpu (default %(default)s)",
     )
     p.add_argument(
         "--device",

@@ -108,6 +108,14 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         "checks are dropped: they read ids on the host); ignored without a CUDA device",
     )
     c.add_argument(
+        "--compile_regions",
+        choices=("whole", "repeated"),
+        default="whole",
+        help="--target gpu: 'repeated' compiles each STU layer's forward, backward and optimizer code once "
+        "and runs it for every layer (recir.lower_gpu.GPUOptions(regions='repeated'): a shorter cold compile); "
+        "'whole' (default) gives Inductor the step as one graph",
+    )
+    c.add_argument(
         "--precision",
         choices=PRECISIONS,
         default=d["precision"],

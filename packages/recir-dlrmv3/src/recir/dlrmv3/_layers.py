@@ -140,9 +140,19 @@ class STULayer(nn.Module):
         self.output = nn.Linear(3 * num_heads * head_dim, dim, bias=False)
         self.alpha = 1.0 / math.sqrt(head_dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        max_len: torch.Tensor,
+        packed: tuple[torch.Tensor, tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
         """x [B, N, D], mask [B, N, N] bool and causal (no query sees a later slot, as `attention_mask`
-        builds it), max_len: 0-d tensor (the batch's longest sequence)."""
+        builds it), max_len: 0-d tensor (the batch's longest sequence). `packed` = (index, (B, N)): x
+        holds packed rows, see `forward_packed` (called through here, so module hooks and capture's
+        module scopes see the layer)."""
+        if packed is not None:
+            return self.forward_packed(x, packed[0], packed[1], mask, max_len)
         u, q, k, v = self.project(x)
         return self.combine(x, u, self.attention(q, k, v, mask, max_len))
 

@@ -147,7 +147,7 @@ class DLRMv3(nn.Module):
             index, N = batch.token_index, x.shape[1]
             rows = take(x.reshape(B * N, D), index)
             for layer in self.layers:
-                rows = layer.forward_packed(rows, index, (B, N), mask, max_len)
+                rows = layer(rows, mask, max_len, packed=(index, (B, N)))
             x = rows.new_zeros(B * N, D).index_copy(0, index, rows).view(B, N, D)
         else:
             for layer in self.layers:

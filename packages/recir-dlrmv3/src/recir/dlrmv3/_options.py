@@ -40,6 +40,8 @@ class TrainOptions:
     token_buckets: int = 1
     # GPU path on CUDA: replay the whole step as one CUDA graph (the id checks then leave the graph)
     cuda_graphs: bool = False
+    # GPU path: "repeated" compiles each repeated layer's code once (recir.lower_gpu GPUOptions.regions)
+    compile_regions: str = "whole"
     log_every: int = 50
     seed: int = 0
     eval_every: int = 0
@@ -164,6 +166,15 @@ class TrainOptions:
             raise config_error(
                 f"--cuda_graphs is the single-process GPU path's flag (got --target {self.target}, --parallel "
                 f"{self.parallel}). Fix: --target gpu without --parallel, on a CUDA machine."
+            )
+        if self.compile_regions not in ("whole", "repeated"):
+            raise config_error(
+                f"unknown --compile_regions {self.compile_regions!r}; expected whole or repeated"
+            )
+        if self.compile_regions != "whole" and self.target != "gpu":
+            raise config_error(
+                f"--compile_regions {self.compile_regions} is the GPU path's flag (got --target {self.target}). "
+                "Fix: --target gpu, or drop the flag."
             )
         if self.parallel not in PARALLEL:
             raise config_error(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")

@@ -38,12 +38,12 @@ class TrainResult:
 
 
 def gpu_options(opts: TrainOptions) -> object:
-    """recir.lower_gpu.GPUOptions for --cuda_graphs (None: the lowering's defaults)."""
-    if not opts.cuda_graphs:
+    """recir.lower_gpu.GPUOptions for --cuda_graphs and --compile_regions (None: the lowering's defaults)."""
+    if not opts.cuda_graphs and opts.compile_regions == "whole":
         return None
     from recir.lower_gpu import GPUOptions
 
-    return GPUOptions(cuda_graphs=True)
+    return GPUOptions(cuda_graphs=opts.cuda_graphs or None, regions=opts.compile_regions)  # type: ignore[arg-type]
 
 
 def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:

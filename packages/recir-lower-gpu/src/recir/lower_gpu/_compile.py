@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -27,7 +28,9 @@ from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe
 from ._options import GPUOptions
 from ._pipeline import InPlaceEpilogue, gpu_pipeline
+from ._prepare import copy_graph_module
 from ._private_apis import check_private_apis
+from ._regions import compile_regions
 from ._step import GPUCompiledStep
 
 log = logging.getLogger("recir.lower_gpu")
@@ -75,6 +78,34 @@ def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: Fake
         torch._guards.tracing(context),
     ):
         return compile_fx(gm, example)
+
+
+def _compile_regions(ir: StepGraph, dev: torch.device, options: GPUOptions) -> Any:
+    """``GPUOptions(regions="repeated")``: the step in pieces, each distinct piece compiled once; None
+    when the step cannot be cut (logged, the caller compiles it whole)."""
+    patches = options.inductor_patches(dev.type)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    examples = _fake_inputs(ir, dev, fake_mode)
+
+    def fake(shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=dev)
+
+    def compile_piece(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        return _compile_fx(gm, inputs, fake_mode, patches)
+
+    gm = copy_graph_module(ir.graph_module)
+    out = compile_regions(gm, len(ir.signature.state), examples, dev, compile_piece, fake)
+    if isinstance(out, str):
+        log.info("recir.lower_gpu: regions='repeated' compiles the step whole: %s", out)
+        return None
+    fn, stats = out
+    log.info(
+        "recir.lower_gpu: regions='repeated': %d pieces, %d distinct compiled",
+        stats["pieces"],
+        stats["compiled"],
+    )
+    return fn
 
 
 def compile(
@@ -175,9 +206,13 @@ def _inductor(
         memoized_cpu_isa_probe(recir_cache_dir()) if memo_isa else contextlib.nullcontext(),
     ):
         try:
-            fn = _compile_fx(
-                gm, _fake_inputs(ir, dev, fake_mode), fake_mode, options.inductor_patches(dev.type)
-            )
+            fn = None
+            if options.regions == "repeated" and options.in_place:
+                fn = _compile_regions(ir, dev, options)
+            if fn is None:
+                fn = _compile_fx(
+                    gm, _fake_inputs(ir, dev, fake_mode), fake_mode, options.inductor_patches(dev.type)
+                )
         except LoweringError:
             raise
         except Exception as exc:

@@ -46,6 +46,10 @@ class GPUOptions:
       the rows up, the compiled dense step returns their gradients, TBE's backward updates the rows in
       place. Tables or optimizers FBGEMM cannot fuse, and steps with a sharding plan, keep FBGEMM's
       forward kernel in the graph and the graph's row update (one log line says why). False: always that.
+    - ``regions``: ``"whole"`` gives Inductor the step as one graph; ``"repeated"`` cuts it at the
+      boundaries of repeated module instances (``layers.0`` .. ``layers.4``, per phase) and compiles each
+      distinct piece once (recir.lower_gpu._regions): a cold compile of a model of N identical layers
+      lowers one layer's code, not N. Needs ``in_place``; a step it cannot cut compiles whole (logged).
     """
 
     mode: InductorMode = "default"
@@ -58,12 +62,18 @@ class GPUOptions:
     inductor_config: tuple[tuple[str, Any], ...] = ()
     store_rng_masks: bool = False
     fused_tbe: bool = True
+    regions: Literal["whole", "repeated"] = "whole"
 
     def __post_init__(self) -> None:
         if self.mode not in INDUCTOR_MODES:
             raise ConfigError(
                 f"GPUOptions.mode: expected one of {INDUCTOR_MODES}, got {self.mode!r}. "
                 "Fix: use 'reduce-overhead' for CUDA graphs or 'max-autotune-no-cudagraphs' for GEMM tuning."
+            )
+        if self.regions not in ("whole", "repeated"):
+            raise ConfigError(
+                f"GPUOptions.regions: expected 'whole' or 'repeated', got {self.regions!r}. "
+                "Fix: 'repeated' compiles each repeated module region once; 'whole' compiles one graph."
             )
         if isinstance(self.inductor_config, dict):
             object.__setattr__(self, "inductor_config", tuple(sorted(self.inductor_config.items())))

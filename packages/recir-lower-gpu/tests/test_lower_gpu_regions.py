@@ -1,0 +1,132 @@
+"""``GPUOptions(regions="repeated")``: the step cut at its repeated modules, each distinct piece compiled
+once; the pieces together compute what the whole step computes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import recir.lower_gpu as lg
+import torch
+import torch.nn.functional as F
+from recir.capture import capture_train_step
+from recir.lower_gpu._regions import RegionSplit, compile_regions
+from recir.transforms import ConfigError
+from torch import nn
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class _Stack(nn.Module):
+    """A table (row-wise updates on the GPU path) into identical blocks (a ModuleList) and a head."""
+
+    def __init__(self, layers: int = 3, d: int = 16) -> None:
+        super().__init__()
+        self.table = nn.Embedding(40, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.table(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1)).squeeze(-1)
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(batch["ids"]), batch["y"])
+
+
+def _batch(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {"ids": torch.randint(0, 40, (4, 6), generator=g), "y": torch.randn(4, generator=g)}
+
+
+def _step(layers: int = 3):
+    torch.manual_seed(0)
+    model = _Stack(layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt, capture_train_step(model, opt, _loss, _batch(0))
+
+
+def test_pieces_follow_the_repeated_modules_and_share_code():
+    _, _, step = _step()
+    split = RegionSplit(step.graph_module, len(step.signature.state))
+    assert split.reason is None
+    keys = [p.key for p in split.pieces if p.key is not None]
+    for phase in ("forward", "backward", "optimizer"):
+        assert [k for k in keys if k[0] == phase], phase
+    forward = [k[1] for k in keys if k[0] == "forward"]
+    assert forward == ["blocks.0", "blocks.1", "blocks.2"]  # one piece per block, in order
+    codes, lifted = split.codes, split.lifted
+    code = {k: c for p, c in zip(split.pieces, codes) if (k := p.key) is not None}
+    # blocks 1 and 2 differ only in their dropout counter offsets: one code, the offsets lifted (block 0
+    # also builds the step's RNG key, on the first dropout)
+    assert code[("forward", "blocks.1")] == code[("forward", "blocks.2")] != code[("forward", "blocks.0")]
+    assert len({code[("optimizer", f"blocks.{i}")] for i in range(3)}) == 1
+    assert len(set(codes)) < len(codes)
+    offsets = [
+        lifted[i]
+        for i, p in enumerate(split.pieces)
+        if p.key in (("forward", "blocks.1"), ("forward", "blocks.2"))
+    ]
+    assert offsets[0] and offsets[0] != offsets[1]
+
+
+def test_pieces_run_as_fx_equal_the_whole_graph_bit_for_bit():
+    model, opt, step = _step()
+    gm, ns = step.graph_module, len(step.signature.state)
+    state = step.init_state(model, opt)
+
+    def fake(shape, stride, dtype):
+        return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
+
+    batch = step.signature.flatten_batch(_batch(1))
+    out = compile_regions(gm, ns, [*state, *batch], torch.device("cpu"), lambda g, _: g, fake)
+    assert not isinstance(out, str), out
+    fn, stats = out
+    assert stats["compiled"] < stats["pieces"]
+    ref, mine = [t.clone() for t in state], [t.clone() for t in state]
+    for i in range(1, 4):
+        batch = step.signature.flatten_batch(_batch(i))
+        whole = gm(*ref, *batch)
+        ref = list(whole[:ns])
+        outputs = fn(*mine, *batch)  # updates `mine` in place
+        torch.testing.assert_close(outputs[0], whole[ns], rtol=0, atol=0)
+        for slot, a, b in zip(step.signature.state, ref, mine):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=slot.name)
+
+
+def test_repeated_regions_compile_once_and_match_the_whole_step(lower_gpu_cache_dir, caplog):
+    runs = {}
+    for regions in ("whole", "repeated"):
+        model, opt, step = _step()
+        options = lg.GPUOptions(regions=regions, cache_dir=lower_gpu_cache_dir)
+        with caplog.at_level(logging.INFO, logger="recir.lower_gpu"):
+            compiled = lg.compile(step, device="cpu", options=options)
+        state = compiled.init_state(model, opt)
+        losses = []
+        for i in range(1, 4):
+            state, (loss, *_) = compiled(state, _batch(i))
+            losses.append(loss)
+        runs[regions] = (torch.stack(losses), compiled.state_dict(state))
+    assert "regions='repeated':" in caplog.text and "distinct compiled" in caplog.text
+    torch.testing.assert_close(runs["repeated"][0], runs["whole"][0], rtol=1e-6, atol=1e-6)
+    for name, value in runs["whole"][1].items():  # parameters, Adam moments, the table, the RNG
+        torch.testing.assert_close(runs["repeated"][1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_regions_option_is_checked():
+    with pytest.raises(ConfigError, match="GPUOptions.regions"):
+        lg.GPUOptions(regions="layers")  # type: ignore[arg-type]
+    assert lg.GPUOptions().regions == "whole"
