@@ -4,6 +4,7 @@ once; the pieces together compute what the whole step computes."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import recir.lower_gpu as lg
@@ -92,9 +93,9 @@ def test_pieces_run_as_fx_equal_the_whole_graph_bit_for_bit():
         return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
 
     batch = step.signature.flatten_batch(_batch(1))
-    out = compile_regions(gm, ns, [*state, *batch], torch.device("cpu"), lambda g, _: g, fake)
-    assert not isinstance(out, str), out
-    fn, stats = out
+    split = RegionSplit(gm, ns)
+    assert split.reason is None, split.reason
+    fn, stats = compile_regions(split, [*state, *batch], torch.device("cpu"), lambda g, _: g, fake)
     assert stats["compiled"] < stats["pieces"]
     ref, mine = [t.clone() for t in state], [t.clone() for t in state]
     for i in range(1, 4):
@@ -120,7 +121,10 @@ def test_repeated_regions_compile_once_and_match_the_whole_step(lower_gpu_cache_
             state, (loss, *_) = compiled(state, _batch(i))
             losses.append(loss)
         runs[regions] = (torch.stack(losses), compiled.state_dict(state))
+        report = compiled.pipeline.report()
+        assert ("recir-gpu-repeated-regions" in report) == (regions == "repeated"), report
     assert "regions='repeated':" in caplog.text and "distinct compiled" in caplog.text
+    assert re.search(r"recir-gpu-repeated-regions .*pieces=\d+, distinct=\d+", report), report
     torch.testing.assert_close(runs["repeated"][0], runs["whole"][0], rtol=1e-6, atol=1e-6)
     for name, value in runs["whole"][1].items():  # parameters, Adam moments, the table, the RNG
         torch.testing.assert_close(runs["repeated"][1][name], value, rtol=1e-5, atol=1e-6, msg=name)

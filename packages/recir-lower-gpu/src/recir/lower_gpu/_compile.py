@@ -27,10 +27,9 @@ from ._cudagraph import CudaGraphStep
 from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe
 from ._options import GPUOptions
-from ._pipeline import InPlaceEpilogue, gpu_pipeline
-from ._prepare import copy_graph_module
+from ._pipeline import InPlaceEpilogue, SplitRepeatedRegions, gpu_pipeline
 from ._private_apis import check_private_apis
-from ._regions import compile_regions
+from ._regions import RegionsFn, RegionSplit, compile_regions
 from ._step import GPUCompiledStep
 
 log = logging.getLogger("recir.lower_gpu")
@@ -80,12 +79,11 @@ def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: Fake
         return compile_fx(gm, example)
 
 
-def _compile_regions(ir: StepGraph, dev: torch.device, options: GPUOptions) -> Any:
-    """``GPUOptions(regions="repeated")``: the step in pieces, each distinct piece compiled once; None
-    when the step cannot be cut (logged, the caller compiles it whole)."""
-    patches = options.inductor_patches(dev.type)
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-    examples = _fake_inputs(ir, dev, fake_mode)
+def _compile_regions(
+    split: RegionSplit, ir: StepGraph, dev: torch.device, fake_mode: FakeTensorMode, patches: dict
+) -> RegionsFn:
+    """``GPUOptions(regions="repeated")``: the step in pieces (``split``, planned by the pipeline's
+    ``recir-gpu-repeated-regions``), each distinct piece compiled once."""
 
     def fake(shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
         with fake_mode:
@@ -94,12 +92,7 @@ def _compile_regions(ir: StepGraph, dev: torch.device, options: GPUOptions) -> A
     def compile_piece(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
         return _compile_fx(gm, inputs, fake_mode, patches)
 
-    gm = copy_graph_module(ir.graph_module)
-    out = compile_regions(gm, len(ir.signature.state), examples, dev, compile_piece, fake)
-    if isinstance(out, str):
-        log.info("recir.lower_gpu: regions='repeated' compiles the step whole: %s", out)
-        return None
-    fn, stats = out
+    fn, stats = compile_regions(split, _fake_inputs(ir, dev, fake_mode), dev, compile_piece, fake)
     log.info(
         "recir.lower_gpu: regions='repeated': %d pieces, %d distinct compiled",
         stats["pieces"],
@@ -205,14 +198,13 @@ def _inductor(
         stable_cache_keys(),
         memoized_cpu_isa_probe(recir_cache_dir()) if memo_isa else contextlib.nullcontext(),
     ):
+        regions = next((t for t in pipeline.transforms if isinstance(t, SplitRepeatedRegions)), None)
+        patches = options.inductor_patches(dev.type)
         try:
-            fn = None
-            if options.regions == "repeated" and options.in_place:
-                fn = _compile_regions(ir, dev, options)
-            if fn is None:
-                fn = _compile_fx(
-                    gm, _fake_inputs(ir, dev, fake_mode), fake_mode, options.inductor_patches(dev.type)
-                )
+            if regions is not None and regions.split is not None and options.in_place:
+                fn: Any = _compile_regions(regions.split, ir, dev, fake_mode, patches)
+            else:
+                fn = _compile_fx(gm, _fake_inputs(ir, dev, fake_mode), fake_mode, patches)
         except LoweringError:
             raise
         except Exception as exc:

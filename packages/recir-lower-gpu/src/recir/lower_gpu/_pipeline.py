@@ -27,6 +27,7 @@ from recir.transforms import (
 from ._distributed import distribute_for_lowering
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
+from ._regions import RegionSplit
 from ._store import expand_recompute_barriers, register_inductor_lowering, store_rng_masks
 
 log = logging.getLogger("recir.lower_gpu")
@@ -134,6 +135,33 @@ class CheckKernels(Transform):
 
 
 @register_transform
+class SplitRepeatedRegions(Transform):
+    """``GPUOptions(regions="repeated")``: plan the step's cut into pieces at its repeated module
+    instances (recir.lower_gpu._regions). The graph is not rewritten: the split is kept on the transform
+    (``self.split``) and the compile then gives Inductor each distinct piece once; disabled
+    (``RECIR_DISABLE``) or a step it cannot cut (``self.split`` None, the reason in the stats): whole::
+
+        forward [glue][layers.0]..[layers.4][glue], backward .., optimizer ..   ->  stats pieces=20, distinct=9
+    """
+
+    name = "recir-gpu-repeated-regions"
+    summary = "cut the step at repeated module instances; each distinct piece is compiled once"
+
+    def __init__(self, options: object | None = None, **kwargs: object) -> None:
+        super().__init__(options, **kwargs)
+        self.split: RegionSplit | None = None
+
+    def run(self, step: StepGraph) -> TransformResult:
+        split = RegionSplit(step.graph_module, len(step.signature.state))
+        if split.reason is not None:
+            log.info("recir.lower_gpu: regions='repeated' compiles the step whole: %s", split.reason)
+            self.split = None
+            return TransformResult(step, False, {"whole": split.reason})
+        self.split = split
+        return TransformResult(step, False, {"pieces": len(split.pieces), "distinct": len(set(split.codes))})
+
+
+@register_transform
 class InPlaceEpilogue(Transform):
     """``(state, batch) -> (new_state, outputs)`` becomes ``(state, batch) -> outputs`` that ``copy_``s each
     new state into its input, which Inductor fuses into the kernel computing it (no second persistent
@@ -171,7 +199,9 @@ def gpu_pipeline(
     3. dropout masks stored once (``GPUOptions.store_rng_masks``);
     4. device arguments and constants moved to ``device``;
     5. the kernel check (nothing rewritten);
-    6. the in-place epilogue (``GPUOptions.in_place``): what Inductor receives.
+    6. with ``GPUOptions(regions="repeated")`` (and in place), the cut into repeated regions (planned,
+       nothing rewritten);
+    7. the in-place epilogue (``GPUOptions.in_place``): what Inductor receives.
     """
     from recir.embedding import CutHostSplit, checks_enabled, embedding_transforms, resolve_backend
 
@@ -200,6 +230,8 @@ def gpu_pipeline(
         CheckKernels(device=str(device), planned=plan is not None),
     ]
     if options.in_place:
+        if options.regions == "repeated":
+            transforms.append(SplitRepeatedRegions())
         transforms.append(InPlaceEpilogue())
     return Pipeline(transforms, name="recir.lower_gpu")
 

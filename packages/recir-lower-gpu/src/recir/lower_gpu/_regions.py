@@ -20,9 +20,7 @@ its input (``copy_``) by the piece that computes it, or by the last piece that r
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import heapq
-import logging
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -31,8 +29,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from recir.transforms import PHASE_KEY, SCOPE_KEY, alias_chain
-
-log = logging.getLogger("recir.lower_gpu")
 
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # the outermost module path with an integer index
 _LIFTABLE = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor}
@@ -143,7 +139,7 @@ class RegionSplit:
                 pieces.append(_Piece(keys[n], []))
             piece_of[n] = len(pieces) - 1
             pieces[-1].nodes.append(n)
-        self.reason = _unsupported(flat, num_state, self.placeholders, body)
+        self.reason = _unsupported(graph, flat, num_state, self.placeholders, body)
         self.pieces = pieces
         if self.reason is not None:
             return
@@ -181,7 +177,7 @@ class RegionSplit:
             seen: set[fx.Node] = set()
             reads = [a for n in p.nodes for a in n.all_input_nodes] + [x for c in p.copies for x in c]
             for a in reads:
-                if a not in local and a not in seen and a.op != "get_attr":
+                if a not in local and a not in seen:
                     seen.add(a)
                     p.inputs.append(a)
         for i, p in enumerate(pieces):
@@ -196,29 +192,24 @@ class RegionSplit:
             self.reason = f"node %{crossing.name} crosses pieces without a tensor example value"
             return
         self.codes, self.lifted, self.lift = _codes(pieces)
+        # the dtype of each lifted constant (that of the integer tensor it is added to), per piece
+        self.lift_dtypes = [
+            [n.args[0].meta["val"].dtype for n, m in zip(_lift_nodes(p), self.lift[i]) if m]  # type: ignore[union-attr]
+            for i, p in enumerate(pieces)
+        ]
 
     def graph_module(self, i: int) -> fx.GraphModule:
         """Piece ``i`` as a GraphModule: its inputs, then its lifted constants, as placeholders."""
         p = self.pieces[i]
         graph = fx.Graph()
-        root = torch.nn.Module()
         env: dict[fx.Node, fx.Node] = {}
         for j, a in enumerate(p.inputs):
             env[a] = graph.placeholder(f"x{j}")
         lifts = iter(self.lift[i])
         extra: list[fx.Node] = []
-        counter = 0
 
         def arg(a: Any) -> Any:
-            nonlocal counter
-            if isinstance(a, fx.Node):
-                if a not in env:  # a constant of the step's module
-                    name = f"c{counter}"
-                    counter += 1
-                    setattr(root, name, _attr(self.gm, str(a.target)))
-                    env[a] = graph.get_attr(name)
-                return env[a]
-            return fx.node.map_aggregate(a, lambda x: arg(x) if isinstance(x, fx.Node) else x)
+            return fx.node.map_aggregate(a, lambda x: env[x] if isinstance(x, fx.Node) else x)
 
         for k, n in enumerate(p.nodes):
             args = [arg(a) for a in n.args]
@@ -239,7 +230,7 @@ class RegionSplit:
             graph.call_function(torch.ops.aten.copy_.default, (env[dst], env[src]))
         graph.output(tuple(env[o] for o in p.outputs))
         _placeholders_first(graph)
-        return fx.GraphModule(root, graph)
+        return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _codes(pieces: list[_Piece]) -> tuple[list[str], list[list[Any]], list[tuple[bool, ...]]]:
@@ -268,13 +259,6 @@ def _view_nodes(node: fx.Node) -> list[fx.Node]:
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             out.append(n.args[0])
     return out
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _placeholders_first(graph: fx.Graph) -> None:
@@ -308,11 +292,7 @@ def _signature(p: _Piece) -> tuple[str, list[Any]]:
 
     def ref(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            if a in local:
-                return f"%{local[a]}"
-            if a in inputs:
-                return f"x{inputs[a]}"
-            return f"c:{_tensor_hash(a)}"
+            return f"%{local[a]}" if a in local else f"x{inputs[a]}"
         if isinstance(a, (list, tuple)):
             return type(a)(ref(x) for x in a)
         if isinstance(a, dict):
@@ -339,23 +319,16 @@ def _meta(a: fx.Node) -> tuple[Any, ...]:
     return (tuple(val.shape), tuple(val.stride()), str(val.dtype))
 
 
-def _tensor_hash(a: fx.Node) -> str:
-    gm = a.graph.owning_module
-    value = _attr(gm, str(a.target)) if gm is not None else None
-    if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous()
-        digest = hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
-        return f"{tuple(value.shape)}{value.dtype}{digest}"
-    return repr(value)
-
-
 def _unsupported(
-    flat: list[Any], num_state: int, placeholders: list[fx.Node], body: list[fx.Node]
+    graph: fx.Graph, flat: list[Any], num_state: int, placeholders: list[fx.Node], body: list[fx.Node]
 ) -> str | None:
     """Why the step cannot be split (None: it can)."""
+    attr = next((n for n in graph.nodes if n.op == "get_attr"), None)
+    if attr is not None:  # INV-1: a StepGraph holds no constants as attributes
+        return f"node %{attr.name} reads a module attribute (get_attr); the pieces take only inputs"
     state = set(placeholders[:num_state])
     for i, new in enumerate(flat[:num_state]):
-        if not isinstance(new, fx.Node) or new.op == "get_attr":
+        if not isinstance(new, fx.Node):
             return f"state {i}'s new value is not computed by the graph"
         if new.op == "placeholder" and new is not placeholders[i]:
             return f"state {i}'s new value is another input (a swap)"
@@ -402,17 +375,15 @@ class RegionsFn:
 
 
 def compile_regions(
-    gm: fx.GraphModule,
-    num_state: int,
+    split: RegionSplit,
     example_inputs: list[torch.Tensor],
     device: torch.device,
     compile_piece: Callable[[fx.GraphModule, list[torch.Tensor]], Callable[..., Any]],
     fake: Callable[[Sequence[int], Sequence[int], torch.dtype], torch.Tensor],
-) -> tuple[RegionsFn, dict[str, int]] | str:
-    """The step as pieces compiled once per distinct code (``compile_piece(gm, fake_inputs)``), or why not."""
-    split = RegionSplit(gm, num_state)
-    if split.reason is not None:
-        return split.reason
+) -> tuple[RegionsFn, dict[str, int]]:
+    """The pieces of ``split`` (one that has no ``reason``), each distinct code compiled once by
+    ``compile_piece(gm, fake_inputs)``, as one callable over the step's inputs."""
+    assert split.reason is None, split.reason
     codes, lifted = split.codes, split.lifted
     slot: dict[fx.Node, int] = {ph: i for i, ph in enumerate(split.placeholders)}
     arg_example = dict(zip(split.placeholders, example_inputs))
@@ -421,7 +392,7 @@ def compile_regions(
     nxt = len(split.placeholders)
     for i, p in enumerate(split.pieces):
         code = codes[i]
-        dtypes = [_lift_dtype(n) for n, m in zip(_lift_nodes(p), split.lift[i]) if m]
+        dtypes = split.lift_dtypes[i]
         if code not in compiled:
             examples = [
                 arg_example[a]
@@ -456,7 +427,3 @@ def compile_regions(
 
 def _lift_nodes(p: _Piece) -> list[fx.Node]:
     return [n for n in p.nodes if _liftable(n)]
-
-
-def _lift_dtype(n: fx.Node) -> torch.dtype:
-    return n.args[0].meta["val"].dtype  # type: ignore[union-attr]
