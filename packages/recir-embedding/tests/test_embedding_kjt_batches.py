@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 from recir.capture import BucketedStep, capture_train_step
-from recir.embedding import JaggedBatch, overrides, suggest_buckets
-from recir.transforms import DataError
+from recir.embedding import AutoBuckets, JaggedBatch, bucketize, overrides, suggest_buckets
+from recir.transforms import ConfigError, DataError
 
 LR = 0.1
 
@@ -99,6 +99,49 @@ def test_bucketed_step_captures_once_per_bucket_and_matches_eager(helpers):
     assert retrained.padding_waste == pytest.approx(suggestion.waste_after)
     last = next(iter(trainer._steps.values()))
     _check_tables(helpers, last.state_dict(state), ref, "after 8 steps")
+
+
+def test_auto_buckets_learn_after_a_window_and_keep_the_numbers(helpers):
+    """``--buckets auto``: powers of two for the window, then suggest_buckets' buckets (a larger batch
+    than any seen still gets a power of two); the losses and tables equal eager's throughout."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    model = helpers.make_torchrec_model()
+    ref = helpers.make_reference(model, "sgd", {"lr": LR})
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    policy = AutoBuckets(window=4, max_buckets=2, multiple_of=1)
+    trainer = BucketedStep(model, opt, helpers.loss_fn, overrides=overrides(), batch_buckets=policy)
+    gen = torch.Generator().manual_seed(11)
+    batches = [_kjt_batch(helpers, gen) for _ in range(8)]
+    big = torch.tensor([4] * helpers.B + [1] * 3 * helpers.B)  # f1: 16 ids, more than any batch above
+    kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3", "q"], values=torch.arange(28) % 4, lengths=big)
+    batches.append({"features": kjt, "y": torch.randn(helpers.B, generator=gen)})
+    state = trainer.init_state(batches[0])
+    for i, batch in enumerate(batches):
+        counts = batch["features"].lengths().view(4, helpers.B).sum(1).tolist()
+        _, static = trainer.step_for(batch)
+        caps = static["features"].capacities
+        if i < policy.window:
+            assert policy.suggestion is None
+            assert list(caps) == [bucketize(n) for n in counts], (i, caps)  # powers of two >= 8
+        else:
+            learned = policy.suggestion.buckets
+            for key, n, cap in zip(("f1", "f2", "f3", "q"), counts, caps):
+                want = min([b for b in learned[key] if b >= n], default=1 << (n - 1).bit_length())
+                assert cap == want, (i, key, n, cap, learned[key])
+        state, (loss,) = trainer(state, batch)
+        ref_loss = ref.step(batch["features"], batch["y"])
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"loss, step {i}")
+    suggestion = policy.suggestion
+    assert suggestion is not None and suggestion.waste_after < suggestion.waste_before
+    assert caps[0] == 16 and 16 not in suggestion.buckets["f1"]  # the big batch: a power of two, no error
+    assert trainer.batches == len(batches)
+    last = trainer.step_for(batches[-1])[0]
+    _check_tables(helpers, last.state_dict(state), ref, "after 9 steps")
+    with pytest.raises(ConfigError, match="window must be >= 1"):
+        AutoBuckets(window=0)
+    with pytest.raises(ConfigError, match="max_buckets"):
+        AutoBuckets(max_buckets=0)
 
 
 def test_torchrec_batch_dataclass_is_accepted(helpers):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from recir.transforms import Override, adapt_batch
+from recir.transforms import ConfigError, Override, adapt_batch
 from torch import nn
 
 from ._capture import LossFn, capture_train_step
@@ -31,6 +31,13 @@ class BucketedStep:
     ``padding`` is ``(real ids, padded slots)`` over every batch run so far, and ``sizes`` each jagged
     feature's real id counts as a ``{size: batches}`` histogram (``recir.embedding.suggest_buckets(sizes)``
     proposes the buckets that pad least for their compile count).
+
+    ``batch_buckets`` is the adapter's bucket policy, or a policy object that learns one: anything with a
+    ``buckets`` attribute (the policy for the next batch) and ``observe(sizes, batches) -> bool`` (called
+    after each batch with ``sizes`` and the number of batches so far; True: ``buckets`` changed), such as
+    ``recir.embedding.AutoBuckets(window=64)``, which pads with powers of two for its window and then
+    with the buckets ``suggest_buckets`` finds for the sizes it saw. Steps captured before a change are
+    kept (a later batch may land in their bucket again).
     """
 
     def __init__(
@@ -52,6 +59,7 @@ class BucketedStep:
         self.real_ids = 0
         self.padded_slots = 0
         self.sizes: dict[str, collections.Counter[int]] = {}
+        self.batches = 0
 
     @property
     def compiles(self) -> int:
@@ -68,7 +76,8 @@ class BucketedStep:
 
     def step_for(self, batch: Any) -> tuple[Any, Any]:
         """The captured (compiled) step for ``batch``'s bucket, capturing it if new, and the static batch."""
-        static = adapt_batch(batch, None, self.batch_buckets)
+        policy = self.batch_buckets
+        static = adapt_batch(batch, None, policy.buckets if _learns(policy) else policy)
         key = str(pytree.tree_structure(static))
         if key not in self._steps:
             step = capture_train_step(
@@ -86,6 +95,22 @@ class BucketedStep:
         step, _ = self.step_for(example_batch)
         return step.init_state(self.model, self.optimizer)
 
+    def state_dict(self, state: Any) -> dict[str, torch.Tensor]:
+        """``state`` by slot name (the same for every bucket: the slots do not depend on batch sizes)."""
+        return self._any_step().state_dict(state)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> Any:
+        """The state from a :meth:`state_dict` (e.g. a checkpoint), through any bucket's step."""
+        return self._any_step().load_state_dict(state_dict)
+
+    def _any_step(self) -> Any:
+        if not self._steps:
+            raise ConfigError(
+                "BucketedStep has no captured step yet. Fix: call init_state(example_batch) (or run a batch) "
+                "first; every bucket's step shares one state layout."
+            )
+        return next(iter(self._steps.values()))
+
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         step, static = self.step_for(batch)
         for real, capacity in _jagged_sizes(static):
@@ -95,7 +120,20 @@ class BucketedStep:
             per_key = x.lengths_.view(len(x.keys_), -1).sum(1).tolist()
             for key, n in zip(x.keys_, per_key):
                 self.sizes.setdefault(key, collections.Counter())[int(n)] += 1
+        self.batches += 1
+        if _learns(self.batch_buckets) and self.batch_buckets.observe(self.sizes, self.batches):
+            log.info(
+                "recir.capture.BucketedStep: after %d batches the bucket policy changed (%r); padding waste "
+                "so far %.1f%%",
+                self.batches,
+                self.batch_buckets,
+                100 * self.padding_waste,
+            )
         return step(state, static)
+
+
+def _learns(policy: Any) -> bool:
+    return hasattr(policy, "observe") and hasattr(policy, "buckets")
 
 
 def _jagged_leaves(static: Any) -> list[Any]:

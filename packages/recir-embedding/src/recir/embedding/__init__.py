@@ -14,6 +14,7 @@ from ._backends import resolve_backend as resolve_backend
 from ._bucket import PadReport as PadReport
 from ._bucket import bucketize as bucketize
 from ._bucket import pad_to_bucket as pad_to_bucket
+from ._bucket_feedback import AutoBuckets as AutoBuckets
 from ._bucket_feedback import BucketSuggestion as BucketSuggestion
 from ._bucket_feedback import padding_waste as padding_waste
 from ._bucket_feedback import suggest_buckets as suggest_buckets
@@ -69,6 +70,7 @@ __all__ = [
     "pad_to_bucket",
     "bucketize",
     "suggest_buckets",
+    "AutoBuckets",
     "BucketSuggestion",
     "padding_waste",
     "PadReport",

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from recir.transforms import ConfigError
 
 from ._bucket import bucketize
+
+log = logging.getLogger("recir.embedding")
 
 Sizes = Mapping[str, Mapping[int, int] | Iterable[int]]
 
@@ -150,3 +153,66 @@ def suggest_buckets(
         compiles_before=used(current),
         compiles_after=used(buckets),
     )
+
+
+class AutoBuckets:
+    """A bucket policy that learns its buckets: ``BucketedStep(batch_buckets=AutoBuckets(window=64))``.
+
+    For the first ``window`` batches it pads with ``warmup`` (None: each feature's next power of two, at
+    least 8); then ``suggest_buckets`` over the sizes those batches had (``BucketedStep.sizes``) fixes
+    each feature's buckets for the rest of the run, logged with the padding waste before and after. A
+    later batch larger than every suggested bucket of a feature pads to the next power of two (one more
+    compile) instead of failing. Bucket choice changes only shapes: padding repeats a real id and
+    belongs to no sample, so the steps compute the same numbers with any buckets::
+
+        batches 1..64:   item 37 ids -> 64 slots, item 70 -> 128, ...        (powers of two)
+        after batch 64:  suggested item (40, 72, 96, 128)  waste 41% -> 6%    (then these)
+    """
+
+    def __init__(
+        self,
+        window: int = 64,
+        *,
+        max_buckets: int = 4,
+        compile_cost: float = 0.0,
+        multiple_of: int = 8,
+        warmup: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
+    ) -> None:
+        if window < 1:
+            raise ConfigError(f"AutoBuckets: window must be >= 1 batch, got {window}")
+        suggest_buckets(
+            {"check": [1]}, max_buckets=max_buckets, compile_cost=compile_cost, multiple_of=multiple_of
+        )
+        self.window = window
+        self.max_buckets, self.compile_cost, self.multiple_of = max_buckets, compile_cost, multiple_of
+        self.warmup = warmup
+        self.suggestion: BucketSuggestion | None = None
+        self._learned: dict[str, tuple[int, ...]] | None = None
+
+    @property
+    def buckets(self) -> Mapping[str, Sequence[int]] | Sequence[int] | None:
+        """The policy to pad the next batch with (``pad_to_bucket``'s ``buckets``)."""
+        return self.warmup if self._learned is None else self._learned
+
+    def observe(self, sizes: Sizes, batches: int) -> bool:
+        """After each batch: ``sizes`` so far over ``batches`` batches. True when the buckets change."""
+        if self._learned is not None or batches < self.window:
+            return False
+        self.suggestion = suggest_buckets(
+            sizes,
+            max_buckets=self.max_buckets,
+            compile_cost=self.compile_cost,
+            multiple_of=self.multiple_of,
+            current=self.warmup,
+        )
+        # past the largest suggested bucket: powers of two, so an unseen larger batch still has a bucket
+        self._learned = {
+            k: (*b, *(1 << e for e in range(3, 40) if (1 << e) > max(b)))
+            for k, b in self.suggestion.buckets.items()
+        }
+        log.info("recir.embedding.AutoBuckets: after %d batches, %s", batches, self.suggestion)
+        return True
+
+    def __repr__(self) -> str:
+        state = "warming up" if self.suggestion is None else str(self.suggestion)
+        return f"AutoBuckets(window={self.window}, max_buckets={self.max_buckets}: {state})"

@@ -14,7 +14,7 @@ import functools
 import recir.embedding as emb
 import recir.lower_gpu as lg
 import torch
-from recir.capture import capture_train_step
+from recir.capture import BucketedStep
 from recir.distributed import CheckpointManager, checkpoint_meta, load_resharded
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -54,28 +54,38 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=20, help="train until this many steps are done")
     parser.add_argument("--checkpoint_dir", required=True, help="resumes from the latest checkpoint here")
     parser.add_argument("--checkpoint_every", type=int, default=5)
+    auto = "'auto': powers of two for 8 batches, then the buckets recir.embedding.suggest_buckets finds"
+    parser.add_argument(
+        "--buckets", default="256", help=f"ids per feature to pad to, comma-separated; {auto}"
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     model = TwoTower()
     dense, tables = model.mlp.parameters(), model.ebc.parameters()
     optimizers = [torch.optim.Adam(dense, lr=1e-3), emb.RowWiseAdagrad(tables, lr=0.05)]
-    step = capture_train_step(
-        model, optimizers, loss_fn, make_batch(0), overrides=emb.overrides(), batch_buckets=[256]
+    buckets = emb.AutoBuckets(8) if args.buckets == "auto" else [int(b) for b in args.buckets.split(",")]
+    compile_fn = functools.partial(lg.compile, device="cuda" if torch.cuda.is_available() else "cpu")
+    trainer = BucketedStep(
+        model, optimizers, loss_fn, compile=compile_fn, overrides=emb.overrides(), batch_buckets=buckets
     )
-    compiled = lg.compile(step, device="cuda" if torch.cuda.is_available() else "cpu")
-    state, done = compiled.init_state(model, optimizers), 0
+    state, done = trainer.init_state(make_batch(0)), 0
     checkpoints = CheckpointManager(args.checkpoint_dir, existing="continue")
     if (latest := checkpoints.latest()) is not None:
-        state, done = compiled.load_state_dict(load_resharded(latest, None)), checkpoint_meta(latest)["step"]
+        state, done = trainer.load_state_dict(load_resharded(latest, None)), checkpoint_meta(latest)["step"]
         print(f"resumed from {latest} (step {done})")
     losses = []
     for i in range(done, args.steps):
-        state, (loss, _) = compiled(state, make_batch(i))
+        state, (loss, _) = trainer(state, make_batch(i))
         losses.append(float(loss))
         print(f"step {i + 1}: loss {losses[-1]:.6f}", flush=True)
         if (i + 1) % args.checkpoint_every == 0 or i + 1 == args.steps:
-            checkpoints.save(i + 1, compiled.state_dict(state))
+            checkpoints.save(i + 1, trainer.state_dict(state))
+    if trainer.batches:  # bucket feedback: what padding cost, and the buckets that would pad least
+        print(
+            f"padding waste {trainer.padding_waste:.1%} over {trainer.batches} batches, {trainer.compiles} compiles"
+        )
+        print(emb.suggest_buckets(trainer.sizes, current=getattr(buckets, "buckets", buckets)))
     return losses
 
 
