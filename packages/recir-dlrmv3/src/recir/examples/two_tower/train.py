@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=20, help="train until this many steps are done")
     parser.add_argument("--checkpoint_dir", required=True, help="resumes from the latest checkpoint here")
     parser.add_argument("--checkpoint_every", type=int, default=5)
-    auto = "'auto': powers of two for 8 batches, then the buckets recir.embedding.suggest_buckets finds"
+    auto = "or 'auto' (powers of two for 8 batches, then recir.embedding.suggest_buckets' buckets)"
     parser.add_argument(
-        "--buckets", default="256", help=f"ids per feature to pad to, comma-separated; {auto}"
+        "--buckets", default="256", help=f"ids per feature to pad to, comma-separated, {auto}"
     )
     args = parser.parse_args(argv)
 
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(
             f"padding waste {trainer.padding_waste:.1%} over {trainer.batches} batches, {trainer.compiles} compiles"
         )
-        print(emb.suggest_buckets(trainer.sizes, current=getattr(buckets, "buckets", buckets)))
+        policy = buckets.buckets if isinstance(buckets, emb.AutoBuckets) else buckets
+        print(emb.suggest_buckets(trainer.sizes, current=policy))
     return losses
 
 
