@@ -35,7 +35,8 @@ def run_rank_modes(
     rank: int, world: int, port: int, out: str, modes: list[str], table_sharding: str | None = None
 ) -> None:
     """`train --target eager-graph --parallel MODE [--table_sharding S]` (VARIED) for each mode in one
-    process group, each run checkpointing under out/MODE; losses and log lines go to out/modes-rank{rank}.json."""
+    process group, each run checkpointing under out/MODE; losses and log lines go to out/modes-rank{rank}.json.
+    A mode ``hybrid:layers`` adds ``--recompute layers``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -43,9 +44,11 @@ def run_rank_modes(
         found: dict[str, dict[str, list]] = {}
         for mode in modes:
             lines: list[str] = []
+            parallel, _, recompute = mode.partition(":")
             opts = TrainOptions(
                 target="eager-graph",
-                parallel=mode,
+                parallel=parallel,
+                recompute=recompute or "none",
                 table_sharding=table_sharding,
                 checkpoint_dir=str(Path(out) / mode),
                 **VARIED,  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ def test_dlrmv3_two_ranks_train_like_one_and_resume_on_one(tmp_path):
     # Several candidates per sample, so the ranks' halves differ in candidate count and longest sequence:
     # the global normalisation (Batch.loss_norm, Batch.max_seq_len) makes the ranks match one process.
     _uneven_split_premise()
-    modes = ["hybrid", "dp"]
+    modes = ["hybrid", "dp", "hybrid:layers"]  # the last with --recompute layers
     mp.spawn(run_rank_modes, args=(2, _port(), str(tmp_path), modes), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"modes-rank{r}.json").read_text()) for r in range(2)]
     opts = dict(VARIED, checkpoint_dir=str(tmp_path / "eager"))
@@ -64,7 +64,10 @@ def test_dlrmv3_two_ranks_train_like_one_and_resume_on_one(tmp_path):
     expect, _ = load_checkpoint(tmp_path / "eager" / last)
     for mode in modes:
         assert ranks[1][mode]["lines"] == []  # logs from rank 0 only
-        assert any(f"2 rank(s), parallel {mode}" in line for line in ranks[0][mode]["lines"])
+        parallel, _, recompute = mode.partition(":")
+        assert any(f"2 rank(s), parallel {parallel}" in line for line in ranks[0][mode]["lines"])
+        if recompute:  # the rewrite ran before the plan: this rank's program recomputes the layers
+            assert any(f"--recompute {recompute}: 2 region(s)" in line for line in ranks[0][mode]["lines"])
         for r in ranks:
             got = r[mode]["losses"]
             assert len(got) == len(ref.losses) and all(
@@ -125,6 +128,14 @@ def test_dlrmv3_tpu_mesh_data8_matches_one_device(tmp_path):
         meshed.losses,
         ref.losses,
     )
+    # --recompute layers under the mesh: the rewritten step partitions and trains the same
+    rlines: list[str] = []
+    recomputed = train(
+        TrainOptions(target="tpu", mesh="data=8", recompute="layers", **opts),  # type: ignore[arg-type]
+        log=rlines.append,
+    )
+    assert any("--recompute layers: " in line and "mesh {'data': 8}" in line for line in rlines), rlines
+    assert recomputed.losses == pytest.approx(meshed.losses, rel=1e-6, abs=1e-7)
     # the TPU path's (global) checkpoint resumes on the GPU path's distributed program (1-rank group)
     try:
         resumed = train(

@@ -181,3 +181,48 @@ def test_padding_does_no_work_that_reaches_the_state(helpers):
         changed = (padded[slot] != before[slot]).any(1).nonzero().flatten().tolist()
         real = set().union(*(ids[f] for f in table.features))
         assert set(changed) <= real and len(changed) == len(real), (table.name, changed, real)
+
+
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])
+def test_padding_touches_no_extra_row_and_changes_no_number(helpers, kind):
+    """Padding as the batch boundary writes it (the padding item of the region-transforms issue: "prove
+    it in a test"): each feature's slot is filled with a repeat of its first real id, a row the batch
+    touches anyway, and belongs to no sample. So each step's sparse update writes exactly its real ids'
+    rows (lazy Adam would move any other row it touched: the second step has moments from the first),
+    and the same ids padded to twice the capacity give the same state, every slot."""
+    from recir.embedding import pad_to_bucket
+
+    tr = helpers.make_torchrec_model()
+    model, _ = apply_overrides(copy.deepcopy(tr), overrides())
+    gen = torch.Generator().manual_seed(4)
+    first, second = helpers.random_kjt(gen), helpers.random_kjt(gen)
+    # the second batch never has id 0 (the first does): a padding of 0 would be a touched extra row
+    kjts = [first, type(second)(keys=second.keys(), values=second.values() + 1, lengths=second.lengths())]
+    assert all(0 in first[f].values() and 0 not in kjts[1][f].values() for f in ("f2", "f3"))
+    ys = [torch.randn(helpers.B, generator=gen) for _ in range(2)]
+    per_table = {"t1": ("f1", "f2"), "t2": ("f3",), "s1": ("q",)}
+    finals = []
+    for bucket in (16, 32):
+        step = None
+        for kjt, y in zip(kjts, ys):
+            jb, report = pad_to_bucket(kjt, [bucket])
+            assert report.padded > 0
+            batch = {"features": jb, "y": y}
+            if step is None:
+                step = SparsifyUpdate()(build_step(model, helpers.loss_fn, batch, kind)).step
+                state = step.init_state(model)
+                names = step.signature.state_names()
+            old = [t.clone() for t in state]
+            state, _ = step(state, batch)
+            for table, features in per_table.items():
+                k = next(
+                    i
+                    for i, n in enumerate(names)
+                    if n.startswith("param:") and n.endswith(f".{table}.weight")
+                )
+                real = {int(i) for f in features for i in kjt[f].values()}
+                written = {r for r in range(old[k].shape[0]) if not torch.equal(state[k][r], old[k][r])}
+                assert written == real, (bucket, table, sorted(written), sorted(real))
+        finals.append(dict(zip(names, state)))
+    for name, value in finals[0].items():
+        torch.testing.assert_close(finals[1][name], value, rtol=1e-6, atol=1e-7, msg=name)

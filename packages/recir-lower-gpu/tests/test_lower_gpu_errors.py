@@ -93,3 +93,10 @@ def test_gpu_options_defaults_and_patches():
     p = patches.inductor_patches("cuda")
     assert p["max_autotune"] and p["triton.cudagraphs"] is False and p["size_asserts"] is False
     assert lg.GPUOptions(cache=False).inductor_patches("cpu")["fx_graph_cache"] is False
+    # Inductor's pre-grad passes (torch-level patterns) are off for ATen StepGraphs, unless the user asks
+    from torch._inductor import config as inductor_config
+
+    if hasattr(inductor_config, "use_pre_grad_passes"):
+        assert lg.GPUOptions().inductor_patches("cpu")["use_pre_grad_passes"] is False
+        asked = lg.GPUOptions(inductor_config={"use_pre_grad_passes": True})
+        assert asked.inductor_patches("cpu")["use_pre_grad_passes"] is True

@@ -5,7 +5,6 @@ target; per step it compares the loss and every parameter, buffer and optimizer-
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -103,8 +102,8 @@ def run_parity(
     opts: TrainOptions, steps: int, log: Callable[[str], None] = log_info, atol: float = 1e-4
 ) -> tuple[list[ParityRow], bool]:
     """Trains `steps` steps both ways; returns the rows and whether every difference is <= atol."""
-    model_e, data, opt_e = build(opts)
-    model_c, _, opt_c = build(dataclasses.replace(opts))
+    model_e, data, opt_e = build(opts, log)
+    model_c, _, opt_c = build(opts, log, data=data)  # the same batches, a second model and optimizers
     eager = EagerTrainer(model_e, opt_e)
     from ._train import gpu_options
 

@@ -5,6 +5,7 @@ checkpoints with exact resume (state, data position = global step, RNG).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -69,8 +70,10 @@ def _warn_slow_bf16(opts: TrainOptions) -> None:
     )
 
 
-def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]]:
-    """Model (seeded), data and optimizers for `opts`."""
+def build(
+    opts: TrainOptions, log: Callable[[str], None] = log_info, data: Data | None = None
+) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]]:
+    """Model (seeded), data (``data`` if given: the same batches for a second model) and optimizers."""
     opts.check()
     _warn_slow_bf16(opts)
     if opts.num_threads:
@@ -80,20 +83,21 @@ def build(opts: TrainOptions) -> tuple[DLRMv3, Data, list[torch.optim.Optimizer]
 
         retain_host_memory()
     config = opts.model_config()
-    data = make_data(
-        opts.dataset,
-        config,
-        batch_size=opts.batch_size,
-        seed=opts.seed,
-        data_dir=opts.data_dir,
-        token_budget=opts.token_budget,
-        token_buckets=opts.token_buckets,
-    )
-    if data.bucket_report:
-        log_info(f"token packing: {data.bucket_report}")
-    elif data.token_budget is not None:
-        slots = opts.batch_size * (len(data.spec.contextual) + config.uih_len + config.num_candidates)
-        log_info(f"token packing: {data.token_budget} rows per global batch of {slots} padded slots")
+    if data is None:
+        data = make_data(
+            opts.dataset,
+            config,
+            batch_size=opts.batch_size,
+            seed=opts.seed,
+            data_dir=opts.data_dir,
+            token_budget=opts.token_budget,
+            token_buckets=opts.token_buckets,
+        )
+        if data.bucket_report:
+            log(f"token packing: {data.bucket_report}")
+        elif data.token_budget is not None:
+            slots = opts.batch_size * (len(data.spec.contextual) + config.uih_len + config.num_candidates)
+            log(f"token packing: {data.token_budget} rows per global batch of {slots} padded slots")
     torch.manual_seed(opts.seed)
     model = DLRMv3(data.spec, config)
     return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.optimizer, opts.target)
@@ -174,7 +178,7 @@ def dry_run(opts: TrainOptions, log: Callable[[str], None] = log_info) -> DLRMv3
     or other process (flags, checkpoint directory and a resumed checkpoint, dataset files, mesh syntax and
     batch split, the target's engine), and the model, data and optimizers built; then nothing more."""
     resume_point(opts)  # flags, then the checkpoint directory (reads only)
-    model, data, _ = build(opts)
+    model, data, _ = build(opts, log)
     check_parallel(opts.target, opts.parallel, opts.mesh is not None)
     if opts.mesh is not None:
         from recir.distributed import Mesh
@@ -195,7 +199,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
     """Runs `opts.num_train_batches` global steps (fewer when resuming) and evaluates at the end.
     `log` gets each line (default: INFO on the `recir.dlrmv3` logger)."""
     resumed = resume_point(opts)  # checkpoint dir, checksums and configuration: before anything is built
-    model, data, optimizers = build(opts)
+    # the process group comes after the build; torchrun's RANK already says which process logs
+    model, data, optimizers = build(opts, log if int(os.environ.get("RANK", "0")) == 0 else _silent)
     rank, world, mesh = _setup_parallel(opts)
     if rank != 0:
         log = _silent  # logs from rank 0 only

@@ -69,12 +69,20 @@ def stamp_provenance(
 
     Returns (added, removed, modified) node counts.
     """
+    added, removed, modified, _ = _stamp(step, before, name)
+    return added, removed, modified
+
+
+def _stamp(
+    step: StepGraph, before: Mapping[str, tuple[Any, ...]], name: str
+) -> tuple[int, int, int, dict[str, tuple[Any, ...]]]:
+    """:func:`stamp_provenance`, and the graph's snapshot now (the next transform's ``before``)."""
     added = modified = 0
-    seen = set()
+    now: dict[str, tuple[Any, ...]] = {}
     for node in step.graph.nodes:
-        seen.add(node.name)
+        sig = now[node.name] = _node_signature(node)
         old = before.get(node.name)
-        if old is not None and old == _node_signature(node):
+        if old is not None and old == sig:
             continue
         if old is None:
             added += 1
@@ -86,8 +94,8 @@ def stamp_provenance(
         if not prov or prov[-1] != name:
             prov.append(name)
         node.meta[PROVENANCE_KEY] = prov
-    removed = sum(1 for n in before if n not in seen)
-    return added, removed, modified
+    removed = sum(1 for n in before if n not in now)
+    return added, removed, modified, now
 
 
 def _env_disabled() -> set[str]:
@@ -174,6 +182,7 @@ class Pipeline:
             dump_path.mkdir(parents=True, exist_ok=True)
         self.records = []
         self.verified = step
+        before = snapshot(step)
         if level >= 2:
             verify(step, level=level, transform=f"(input of {self.name})")
         for i, transform in enumerate(self.transforms, start=1):
@@ -183,7 +192,6 @@ class Pipeline:
             stem = f"{_next_dump_number(dump_path):03d}-{transform.name}" if dump_path else ""
             if dump_path is not None:
                 _dump(dump_path / f"{stem}.before.txt", step, f"before {transform!r}")
-            before = snapshot(step)
             t0 = time.perf_counter()
             try:
                 result = transform(step)
@@ -194,15 +202,17 @@ class Pipeline:
                 raise
             seconds = time.perf_counter() - t0
             new = result.step
-            added, removed, modified = stamp_provenance(new, before, transform.name)
-            new.graph_module.recompile()
+            added, removed, modified, now = _stamp(new, before, transform.name)
+            if added or removed or modified or list(before) != list(now):
+                new.graph_module.recompile()  # the code follows the graph (unchanged graph: unchanged code)
+            nodes_before, before = len(before), now
             self.records.append(
                 TransformRecord(
                     i,
                     transform.name,
                     "changed" if result.changed else "unchanged",
                     seconds,
-                    len(before),
+                    nodes_before,
                     len(new.graph.nodes),
                     added,
                     removed,
@@ -236,7 +246,7 @@ class Pipeline:
             if r.status == "disabled":
                 rows.append((str(r.position), r.name, "disabled", "", "", "", "", "", ""))
                 continue
-            stats = ", ".join(f"{k}={v}" for k, v in r.stats.items())
+            stats = ", ".join(f"{k}={_short(v)}" for k, v in r.stats.items())
             rows.append(
                 (
                     str(r.position),
@@ -260,6 +270,16 @@ class Pipeline:
         total = sum(r.seconds for r in self.records)
         lines.append(f"total {total * 1e3:.1f} ms over {len(self.records)} transforms")
         return "\n".join(lines)
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    """A stat for the report's one line: a long mapping or list becomes its size and first keys (the
+    whole value stays in ``records[i].stats``)."""
+    text = str(value)
+    if len(text) <= limit or not isinstance(value, (Mapping, list, tuple, set)):
+        return text
+    keys = list(value)[:3]
+    return f"<{len(value)}: {', '.join(map(str, keys))}, ...>"
 
 
 def _next_dump_number(directory: Path) -> int:
