@@ -138,9 +138,9 @@ def test_auto_buckets_learn_after_a_window_and_keep_the_numbers(helpers):
     assert trainer.batches == len(batches)
     last = trainer.step_for(batches[-1])[0]
     _check_tables(helpers, last.state_dict(state), ref, "after 9 steps")
-    with pytest.raises(ConfigError, match="window must be >= 1"):
+    with pytest.raises(ConfigError, match="window, max_buckets and multiple_of must be >= 1.*window=0"):
         AutoBuckets(window=0)
-    with pytest.raises(ConfigError, match="max_buckets"):
+    with pytest.raises(ConfigError, match="max_buckets=0"):
         AutoBuckets(max_buckets=0)
 
 

@@ -178,11 +178,12 @@ class AutoBuckets:
         multiple_of: int = 8,
         warmup: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
     ) -> None:
-        if window < 1:
-            raise ConfigError(f"AutoBuckets: window must be >= 1 batch, got {window}")
-        suggest_buckets(
-            {"check": [1]}, max_buckets=max_buckets, compile_cost=compile_cost, multiple_of=multiple_of
-        )
+        if window < 1 or max_buckets < 1 or multiple_of < 1 or compile_cost < 0:
+            raise ConfigError(
+                f"AutoBuckets: window, max_buckets and multiple_of must be >= 1 and compile_cost >= 0, got "
+                f"window={window}, max_buckets={max_buckets}, multiple_of={multiple_of}, "
+                f"compile_cost={compile_cost}. Fix: e.g. AutoBuckets(window=64, max_buckets=4)."
+            )
         self.window = window
         self.max_buckets, self.compile_cost, self.multiple_of = max_buckets, compile_cost, multiple_of
         self.warmup = warmup

@@ -120,7 +120,6 @@ class RegionSplit:
 
     def __init__(self, gm: fx.GraphModule, num_state: int) -> None:
         graph = gm.graph
-        self.gm = gm
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         body = [n for n in graph.nodes if n.op == "call_function"]
         output = graph.output_node()
