@@ -135,12 +135,15 @@ EMB_PARAMS = {
 IDS_PER_SAMPLE = 2
 
 
-def _emb_step(state, batch, sequence: bool = False):  # noqa: ANN001, ANN202
+def _emb_step(state, batch, sequence: bool = False, hashed: bool = False):  # noqa: ANN001, ANN202
     k = len(EMB_PARAMS)
     params = [p.detach().requires_grad_(True) for p in state[:k]]
     ms, vs, step = state[k : 2 * k], state[2 * k : 3 * k], state[3 * k]
     dense, ids_u, off_u, ids_i, off_i, y = batch
     tu, ti, w1, b1, w3 = params
+    if hashed:  # feature hashing: id math from the batch alone (what recir-pipeline-sparse moves ahead)
+        ids_u = torch.remainder(ids_u * 7 + 3, tu.shape[0])
+        ids_i = torch.remainder(ids_i * 5 + 1, ti.shape[0])
     eu = torch.ops.recir.embedding_bag(tu, ids_u, off_u, None, 0)
     if sequence:  # recir-embedding's unpooled lookup: one row per id, pooled here by a fixed-length mean
         ei = torch.ops.recir.embedding(ti, ids_i).view(-1, IDS_PER_SAMPLE, ti.shape[1]).mean(1)
@@ -182,11 +185,12 @@ def concat_batches(batches: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return out
 
 
-def emb_step(batch_size: int, sequence: bool = False) -> StepGraph:
-    """The two-table model; ``sequence=True`` looks the item table up with ``recir::embedding`` (unpooled)."""
+def emb_step(batch_size: int, sequence: bool = False, hashed: bool = False) -> StepGraph:
+    """The two-table model; ``sequence=True`` looks the item table up with ``recir::embedding`` (unpooled),
+    ``hashed=True`` hashes the ids (``remainder(ids * a + b, rows)``) before the lookups."""
     if sequence:
         import recir.embedding  # noqa: F401 - registers recir::embedding
-    fn = (lambda s, b: _emb_step(s, b, sequence=True)) if sequence else _emb_step
+    fn = lambda s, b: _emb_step(s, b, sequence=sequence, hashed=hashed)  # noqa: E731
     example = emb_batch(batch_size, 0)
     roles = ["dense", "ids", "offsets", "ids", "offsets", "label"]
     names = ["dense", "user_ids", "user_offsets", "item_ids", "item_offsets", "label"]

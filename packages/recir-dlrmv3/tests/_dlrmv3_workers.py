@@ -36,7 +36,7 @@ def run_rank_modes(
 ) -> None:
     """`train --target eager-graph --parallel MODE [--table_sharding S]` (VARIED) for each mode in one
     process group, each run checkpointing under out/MODE; losses and log lines go to out/modes-rank{rank}.json.
-    A mode ``hybrid:layers`` adds ``--recompute layers``."""
+    A mode ``hybrid:layers`` adds ``--recompute layers``, ``hybrid:pipeline`` ``--pipeline_sparse 2``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -44,11 +44,12 @@ def run_rank_modes(
         found: dict[str, dict[str, list]] = {}
         for mode in modes:
             lines: list[str] = []
-            parallel, _, recompute = mode.partition(":")
+            parallel, _, extra = mode.partition(":")
             opts = TrainOptions(
                 target="eager-graph",
                 parallel=parallel,
-                recompute=recompute or "none",
+                recompute=extra if extra in ("layers", "auto") else "none",
+                pipeline_sparse=2 if extra == "pipeline" else 0,
                 table_sharding=table_sharding,
                 checkpoint_dir=str(Path(out) / mode),
                 **VARIED,  # type: ignore[arg-type]

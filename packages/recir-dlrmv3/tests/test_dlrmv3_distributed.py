@@ -55,7 +55,7 @@ def test_dlrmv3_two_ranks_train_like_one_and_resume_on_one(tmp_path):
     # Several candidates per sample, so the ranks' halves differ in candidate count and longest sequence:
     # the global normalisation (Batch.loss_norm, Batch.max_seq_len) makes the ranks match one process.
     _uneven_split_premise()
-    modes = ["hybrid", "dp", "hybrid:layers"]  # the last with --recompute layers
+    modes = ["hybrid", "dp", "hybrid:layers", "hybrid:pipeline"]  # + --recompute layers, --pipeline_sparse 2
     mp.spawn(run_rank_modes, args=(2, _port(), str(tmp_path), modes), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"modes-rank{r}.json").read_text()) for r in range(2)]
     opts = dict(VARIED, checkpoint_dir=str(tmp_path / "eager"))
@@ -64,10 +64,17 @@ def test_dlrmv3_two_ranks_train_like_one_and_resume_on_one(tmp_path):
     expect, _ = load_checkpoint(tmp_path / "eager" / last)
     for mode in modes:
         assert ranks[1][mode]["lines"] == []  # logs from rank 0 only
-        parallel, _, recompute = mode.partition(":")
+        parallel, _, extra = mode.partition(":")
         assert any(f"2 rank(s), parallel {parallel}" in line for line in ranks[0][mode]["lines"])
-        if recompute:  # the rewrite ran before the plan: this rank's program recomputes the layers
-            assert any(f"--recompute {recompute}: 2 region(s)" in line for line in ranks[0][mode]["lines"])
+        if extra == "layers":  # the rewrite ran before the plan: this rank's program recomputes the layers
+            assert any("--recompute layers: 2 region(s)" in line for line in ranks[0][mode]["lines"])
+        if extra == "pipeline":  # the ids' all-to-alls of the next batch run during this batch's step
+            assert any(
+                "--pipeline_sparse 2: " in line and "collective(s)" in line and " 0 collective" not in line
+                for line in ranks[0][mode]["lines"]
+            ), ranks[0][mode]["lines"]
+            for r in ranks:  # exact: the unpipelined program's losses, bit for bit on the interpreter
+                assert r[mode]["losses"] == r["hybrid"]["losses"]
         for r in ranks:
             got = r[mode]["losses"]
             assert len(got) == len(ref.losses) and all(
@@ -136,6 +143,15 @@ def test_dlrmv3_tpu_mesh_data8_matches_one_device(tmp_path):
     )
     assert any("--recompute layers: " in line and "mesh {'data': 8}" in line for line in rlines), rlines
     assert recomputed.losses == pytest.approx(meshed.losses, rel=1e-6, abs=1e-7)
+    # --pipeline_sparse 2 under the mesh: the batch-only id work runs a batch ahead, the numbers stay
+    plines: list[str] = []
+    pipelined = train(
+        TrainOptions(target="tpu", mesh="data=8", pipeline_sparse=2, **opts),  # type: ignore[arg-type]
+        log=plines.append,
+    )
+    assert any("--pipeline_sparse 2: " in line for line in plines), plines
+    assert pipelined.losses == pytest.approx(meshed.losses, rel=1e-6, abs=1e-7)
+    assert pipelined.metrics == pytest.approx(meshed.metrics, rel=1e-5, abs=1e-6, nan_ok=True)
     # the TPU path's (global) checkpoint resumes on the GPU path's distributed program (1-rank group)
     try:
         resumed = train(

@@ -100,3 +100,15 @@ def test_gpu_options_defaults_and_patches():
         assert lg.GPUOptions().inductor_patches("cpu")["use_pre_grad_passes"] is False
         asked = lg.GPUOptions(inductor_config={"use_pre_grad_passes": True})
         assert asked.inductor_patches("cpu")["use_pre_grad_passes"] is True
+
+
+def test_pipelined_steps_keep_their_collective_waits_late():
+    # recir-pipeline-sparse's next-batch collectives overlap compute only if Inductor does not pull their
+    # waits up next to them: a step with carry: slots sinks waits, an ordinary one keeps Inductor's order
+    plain = lg.GPUOptions().inductor_patches("cpu")
+    assert "reorder_for_compute_comm_overlap" not in plain
+    piped = lg.GPUOptions().inductor_patches("cpu", pipelined=True)
+    assert piped["reorder_for_compute_comm_overlap"] is True
+    assert piped["reorder_for_compute_comm_overlap_passes"] == ["sink_waits"]
+    mine = lg.GPUOptions(inductor_config={"reorder_for_compute_comm_overlap": False})
+    assert mine.inductor_patches("cpu", pipelined=True)["reorder_for_compute_comm_overlap"] is False

@@ -46,14 +46,14 @@ def test_transforms_public_surface_is_pinned():
         "regions_by_pattern", "regions_by_override", "regions_by_id", "Pipeline", "TransformRecord",
         "parse_pipeline", "parse_transform", "format_transform", "verify", "verify_level", "INVARIANTS",
         "register_graph_namespace", "format_window", "format_val", "alias_chain", "DeadCodeElimination",
-        "CommonSubexpressionElimination", "MixedPrecision", "Recompute", "RECOMPUTE_KEY", "transient_peak_bytes", "SCOPE_KEY", "RNG_MASK_KEY", "DROPOUT_KEY", "to_inference", "INFERENCE_KEY", "BatchAdapter", "adapt_batch", "register_batch_adapter", "registered_batch_adapters", "RegionTime", "region_times",
+        "CommonSubexpressionElimination", "MixedPrecision", "Recompute", "RECOMPUTE_KEY", "PipelineSparse", "PIPELINE_SPARSE_KEY", "SparsePipelineInfo", "PipelinedStep", "transient_peak_bytes", "SCOPE_KEY", "RNG_MASK_KEY", "DROPOUT_KEY", "to_inference", "INFERENCE_KEY", "BatchAdapter", "adapt_batch", "register_batch_adapter", "registered_batch_adapters", "RegionTime", "region_times",
         "format_region_table", "phase_split", "PHASE_SPLIT_KEY", "Override", "register_override",
         "register_override_op", "registered_overrides", "override_for_op", "apply_overrides", "embedding_bag",
-        "embedding_bag_reference", "bag_segment_ids", "CompiledStep", "GRAD_OF_KEY", "OPTIM_PARAM_KEY", "OPTIMIZER_KEY", "OptimizerInfo", "optimizer_infos", "set_optimizer_infos", "grad_of", "optim_param", "grad_nodes", "OPTIMIZER_KINDS", "ParamOptim", "param_optim", "apply_update", "group_scalars", "state_keys_for", "state_shape", "rowwise_adagrad_update", "copy_graph_module", "SlotName", "parse_slot_name", "slot_path", "param_slot", "buffer_slot", "optim_slot", "lr_slot", "rng_slot", "SLOT_KINDS", "STEP_SLOT", "RNG_SEED_SLOT", "RNG_OFFSET_SLOT", "require_private_apis", "missing_private_apis", "RecIRError", "VerificationError",
+        "embedding_bag_reference", "bag_segment_ids", "CompiledStep", "GRAD_OF_KEY", "OPTIM_PARAM_KEY", "OPTIMIZER_KEY", "OptimizerInfo", "optimizer_infos", "set_optimizer_infos", "grad_of", "optim_param", "grad_nodes", "OPTIMIZER_KINDS", "ParamOptim", "param_optim", "apply_update", "group_scalars", "state_keys_for", "state_shape", "rowwise_adagrad_update", "copy_graph_module", "SlotName", "parse_slot_name", "slot_path", "param_slot", "buffer_slot", "optim_slot", "lr_slot", "rng_slot", "carry_slot", "SLOT_KINDS", "STEP_SLOT", "RNG_SEED_SLOT", "RNG_OFFSET_SLOT", "require_private_apis", "missing_private_apis", "RecIRError", "VerificationError",
         "CaptureError", "LoweringError", "ConfigError", "DataError",
     }  # fmt: skip
     assert set(rt.__all__) == pinned
-    assert set(rt.INVARIANTS) == {f"INV-{i}" for i in range(1, 10)}
+    assert set(rt.INVARIANTS) == {f"INV-{i}" for i in range(1, 11)}
     assert {"recir-cleanup-dce", "recir-cleanup-cse"} <= set(rt.registered_transforms())
 
 

@@ -130,6 +130,15 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         "recomputed in the backward from the layer's input: activation checkpointing); auto (elementwise "
         "values and norms recomputed, matrix products kept) (default %(default)s)",
     )
+    c.add_argument(
+        "--pipeline_sparse",
+        type=int,
+        default=d["pipeline_sparse"],
+        metavar="STAGES",
+        help="recir-pipeline-sparse on the captured step: 0 off; N >= 2 computes the next N-1 batches' "
+        "batch-only sparse work (the ids' all-to-alls under --parallel, id arithmetic) during this batch's "
+        "step, carried in state; exact (the losses and parameters of the unpipelined run) (default %(default)s)",
+    )
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,9 @@ class TrainOptions:
     embedding_backend: str | None = None
     precision: str = "fp32"
     recompute: str = "none"  # recir-recompute-activations: none | layers | auto (RECOMPUTE)
+    # recir-pipeline-sparse: stages of the software-pipelined step (0: off; 2: batch i+1's ids and sparse
+    # inputs computed and sent during batch i's step)
+    pipeline_sparse: int = 0
     # real tokens per global train batch that the per-token layers compute (packing): a number, "auto"
     # (recir.dlrmv3.estimate_token_budget) or None (every padded slot)
     token_budget: str | None = None
@@ -161,6 +164,18 @@ class TrainOptions:
             raise config_error(
                 f"--recompute {self.recompute} rewrites the captured step; --target eager has none. Fix: "
                 "--target gpu, tpu or eager-graph, or --recompute none."
+            )
+        stages = self.pipeline_sparse
+        if isinstance(stages, bool) or not isinstance(stages, int) or (stages != 0 and stages < 2):
+            raise config_error(
+                f"--pipeline_sparse {self.pipeline_sparse!r}: expected 0 (off) or a stage count >= 2 (2: batch "
+                "i+1's sparse inputs during batch i's step)."
+            )
+        if self.pipeline_sparse and (self.target == "eager" or self.token_buckets > 1):
+            raise config_error(
+                f"--pipeline_sparse rewrites one captured step that sees the next batches: not with --target "
+                f"{self.target} or --token_buckets {self.token_buckets}. Fix: --target gpu, tpu or eager-graph "
+                "with one token budget, or --pipeline_sparse 0."
             )
         if self.cuda_graphs and (self.target != "gpu" or self.parallel != "none"):
             raise config_error(

@@ -4,10 +4,11 @@ checkpoints with exact resume (state, data position = global step, RNG).
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +196,17 @@ def dry_run(opts: TrainOptions, log: Callable[[str], None] = log_info) -> DLRMv3
     return model
 
 
+def _with_lookahead(batches: Iterable[Batch], n: int) -> Iterator[tuple[Batch, list[Batch]]]:
+    """Each batch with the (up to) ``n`` batches after it."""
+    window: collections.deque[Batch] = collections.deque()
+    for batch in batches:
+        window.append(batch)
+        if len(window) > n:
+            yield window.popleft(), list(window)
+    while window:
+        yield window.popleft(), list(window)
+
+
 def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainResult:
     """Runs `opts.num_train_batches` global steps (fewer when resuming) and evaluates at the end.
     `log` gets each line (default: INFO on the `recir.dlrmv3` logger)."""
@@ -222,6 +234,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         hbm_budget_gib=opts.hbm_budget_gib,
         recompute=opts.recompute,
         token_buckets=data.token_buckets,
+        pipeline_sparse=opts.pipeline_sparse,
     )
     for line in getattr(trainer, "plan_lines", []):  # placements and each choice's traffic per step
         log(line)
@@ -246,12 +259,13 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         if opts.profile and rank == 0
         else None
     )
-    for step, batch in enumerate(batches, start):
+    lookahead = trainer.lookahead  # --pipeline_sparse: the step also sees the next batches
+    for step, (batch, upcoming) in enumerate(_with_lookahead(batches, lookahead), start):
         data.stats.add(batch)
         if profiler is not None:
             profiler.before(step)
         t0 = time.perf_counter()
-        loss_t, _ = trainer.step(batch)
+        loss_t, _ = trainer.step(batch, upcoming)
         loss = float(loss_t)
         dt = time.perf_counter() - t0
         if profiler is not None:

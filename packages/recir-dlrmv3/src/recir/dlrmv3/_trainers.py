@@ -33,7 +33,9 @@ class Trainer(Protocol):
     description: str
     checkpoint_plan: Any  # the plan state_dict()'s shards follow (None: global tensors)
 
-    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    lookahead: int  # batches step() wants in `upcoming` (a pipelined step's look-ahead; 0: none)
+
+    def step(self, batch: Batch, upcoming: Sequence[Batch] = ()) -> tuple[torch.Tensor, torch.Tensor]: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
     def sync_model(self) -> DLRMv3: ...
@@ -51,6 +53,7 @@ class EagerTrainer:
         device: torch.device | str = "cpu",
     ) -> None:
         self.device = torch.device(device)
+        self.lookahead = 0  # no pipelined step: step() ignores `upcoming`
         # Module.to moves each parameter's data in place, so the optimizers' references stay valid.
         self.model, self.optimizers = model.to(self.device), optimizers
         for opt in optimizers:  # state made at construction (RowWiseAdagrad's sums) follows the params;
@@ -65,7 +68,7 @@ class EagerTrainer:
         self.autocast = precision == "bf16"
         self.loss_fn = loss_fn  # replaceable, e.g. by torch.compile(loss_fn) in benchmarks/dlrmv3.py
 
-    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, batch: Batch, upcoming: Sequence[Batch] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         self.model.train()
         if self.device.type != "cpu":
             batch = batch.to(self.device)
@@ -146,8 +149,11 @@ class CompiledTrainer:
         hbm_budget_gib: float | None = None,
         recompute: str = "none",
         state: Any = None,
+        pipeline_sparse: int = 0,
     ) -> None:
-        """`state`: another trainer's (same slots) to continue from instead of the model's."""
+        """`state`: another trainer's (same slots) to continue from instead of the model's.
+        `pipeline_sparse` >= 2: recir-pipeline-sparse with that many stages; :meth:`step` then also takes
+        the next `lookahead` batches (the pipelined step computes their sparse inputs ahead)."""
         from recir.capture import capture_train_step
         from recir.embedding import overrides
 
@@ -194,6 +200,8 @@ class CompiledTrainer:
         where += recomputed
         self.plan_lines = describe_plan(self.plan) if self.plan is not None else []
         self.capture_seconds = time.perf_counter() - started
+        self.lookahead = max(pipeline_sparse - 1, 0)  # batches step() wants beyond the one it trains
+        self._filled = False  # whether the carries hold the batches step() is given next
         if lowering is None:
             self.compiled: Any = program  # a StepGraph is a CompiledStep run by its interpreter
             self.description = f"the captured StepGraph's reference interpreter (no compile){where}"
@@ -201,14 +209,26 @@ class CompiledTrainer:
             extra: dict[str, Any] = {} if compile_options is None else {"options": compile_options}
             if target == "tpu":
                 extra["mesh"] = mesh
-            # identical programs on every rank compile once per machine (a no-op without a process group)
-            with contextlib.nullcontext() if target == "tpu" else lowering.compile_in_turn(program):
-                self.compiled = lowering.compile(
-                    program, self.plan, embedding_backend=embedding_backend, **extra
-                )
+
+            def lower(step: Any) -> Any:
+                # identical programs on every rank compile once per machine (a no-op without a process group)
+                with contextlib.nullcontext() if target == "tpu" else lowering.compile_in_turn(step):
+                    return lowering.compile(step, self.plan, embedding_backend=embedding_backend, **extra)
+
+            self.compiled = None if pipeline_sparse else lower(program)
             self.description = (
                 f"{lowering.__name__}.compile on {_device_words(target)}{where}, "
                 f"embedding backend {embedding_backend or 'default'}"
+            )
+        if pipeline_sparse:
+            from recir.transforms import PipelinedStep
+
+            pipe = PipelinedStep.build(program, pipeline_sparse, None if lowering is None else lower)
+            self.compiled = pipe
+            stats = pipe.stats
+            self.description += (
+                f", --pipeline_sparse {pipeline_sparse}: {stats['moved']} node(s) ahead ({stats['collectives']} "
+                f"collective(s)), {stats['carried']} value(s) carried ({stats['carry_bytes'] / 1024:.1f} KiB)"
             )
             if (
                 tbe := getattr(self.compiled, "tbe", None)
@@ -220,9 +240,14 @@ class CompiledTrainer:
         self._first = True
         self.compile_seconds = 0.0
 
-    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, batch: Batch, upcoming: Sequence[Batch] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Train on `batch`. Pipelined (`lookahead` > 0): `upcoming` are the batches the next calls get
+        (up to `lookahead`; fewer at the end, when the last one is repeated as a look-ahead)."""
         started = time.perf_counter()
-        self.state, outputs = self.compiled(self.state, batch)
+        if self.lookahead:
+            outputs = self._pipelined_step(batch, list(upcoming)[: self.lookahead])
+        else:
+            self.state, outputs = self.compiled(self.state, batch)
         if self._first:
             self._first = False
             self.compile_seconds = self.capture_seconds + float(
@@ -231,14 +256,32 @@ class CompiledTrainer:
         loss, logits = outputs[0], outputs[1]
         return torch.as_tensor(loss).detach(), torch.as_tensor(logits).detach()
 
+    def _pipelined_step(self, batch: Batch, upcoming: list[Batch]) -> Any:
+        """recir-pipeline-sparse: fill the carries (prologue) unless they hold `batch` and the batches after
+        it already, then one steady step trains `batch` while computing the last look-ahead's carry."""
+        pipe = self.compiled
+        ahead = upcoming + [upcoming[-1] if upcoming else batch] * (self.lookahead - len(upcoming))
+        if not self._filled:
+            for b in [batch, *ahead[:-1]]:
+                self.state, _ = pipe.prologue(self.state, b)
+        self.state, outputs = pipe.steady(self.state, ahead[-1])
+        self._filled = len(upcoming) == self.lookahead  # a short look-ahead left repeats in the carries
+        return outputs
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every slot by name: global tensors, or this rank's shards under `checkpoint_plan`."""
-        return {k: torch.as_tensor(v).detach().cpu() for k, v in self.compiled.state_dict(self.state).items()}
+        """Every slot by name: global tensors, or this rank's shards under `checkpoint_plan`. A pipelined
+        step's `carry:*` slots (the next batches' sparse inputs) are not training state: left out."""
+        return {
+            k: torch.as_tensor(v).detach().cpu()
+            for k, v in self.compiled.state_dict(self.state).items()
+            if not k.startswith("carry:")
+        }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         merged = self.state_dict()  # slots the checkpoint lacks (e.g. another path's RNG) keep their values
         merged.update(with_shared_step(state))
-        self.state = self.compiled.load_state_dict(merged)
+        self.state = self.compiled.load_state_dict(merged)  # a pipelined step's carries: zeros, refilled
+        self._filled = False
 
     def sync_model(self) -> DLRMv3:
         """The trained state in the live model (a distributed run gathers it: every rank calls this)."""
@@ -270,7 +313,7 @@ class BucketedTrainer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["first"], name)
 
-    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, batch: Batch, upcoming: Sequence[Batch] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         current = self._current()
         trainer = self.by_rows.get(_rows(batch))
         if trainer is None:
@@ -355,6 +398,7 @@ def make_trainer(
     hbm_budget_gib: float | None = None,
     recompute: str = "none",
     token_buckets: Sequence[int] = (),
+    pipeline_sparse: int = 0,
 ) -> Trainer:
     """`eager`, or the captured step on `target` (CompiledTrainer: `parallel` other than `none` on the GPU
     path trains this rank's program, `example` then this rank's batch). `device` places the eager trainer
@@ -365,7 +409,9 @@ def make_trainer(
         return EagerTrainer(model, optimizers, precision, device)
     parallel = "dp" if mesh is not None and parallel == "none" else parallel  # a mesh alone: data parallel
     args = (embedding_backend, mesh, parallel, precision, compile_options, table_sharding, hbm_budget_gib)
-    first = CompiledTrainer(model, optimizers, example, target, *args, recompute=recompute)
+    first = CompiledTrainer(
+        model, optimizers, example, target, *args, recompute=recompute, pipeline_sparse=pipeline_sparse
+    )
     if len(token_buckets) < 2:
         return first
 

@@ -199,7 +199,8 @@ def _inductor(
         memoized_cpu_isa_probe(recir_cache_dir()) if memo_isa else contextlib.nullcontext(),
     ):
         regions = next((t for t in pipeline.transforms if isinstance(t, SplitRepeatedRegions)), None)
-        patches = options.inductor_patches(dev.type)
+        pipelined = any(slot.kind == "carry" for slot in ir.signature.state)
+        patches = options.inductor_patches(dev.type, pipelined=pipelined)
         try:
             if regions is not None and regions.split is not None and options.in_place:
                 fn: Any = _compile_regions(regions.split, ir, dev, fake_mode, patches)

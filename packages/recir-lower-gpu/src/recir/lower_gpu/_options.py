@@ -83,9 +83,18 @@ class GPUOptions:
             return False
         return self.mode == "reduce-overhead" if self.cuda_graphs is None else self.cuda_graphs
 
-    def inductor_patches(self, device_type: str) -> dict[str, Any]:
-        """The ``torch._inductor.config`` patches these options imply for ``device_type``."""
+    def inductor_patches(self, device_type: str, pipelined: bool = False) -> dict[str, Any]:
+        """The ``torch._inductor.config`` patches these options imply for ``device_type`` (``pipelined``: a
+        step with ``carry:`` slots, made by ``recir-pipeline-sparse``)."""
         patches: dict[str, Any] = {"fx_graph_cache": self.cache}
+        if pipelined:
+            # The next batch's collectives overlap this batch's compute only if their waits stay late;
+            # Inductor otherwise schedules each wait right after its collective (measured on 2 gloo ranks:
+            # every wait adjacent to its all_to_all). sink_waits moves each wait to just before its first use.
+            patches.update(
+                reorder_for_compute_comm_overlap=True,
+                reorder_for_compute_comm_overlap_passes=["sink_waits"],
+            )
         if self.mode == "max-autotune-no-cudagraphs":
             patches.update(max_autotune=True, coordinate_descent_tuning=True)
         # CUDA graphs are ours (the whole step, state at fixed addresses), never Inductor's.

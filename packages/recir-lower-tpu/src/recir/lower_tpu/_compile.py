@@ -283,8 +283,12 @@ _INT32 = (-(2**31), 2**31 - 1)
 
 
 def needs_x64(step: StepGraph) -> bool:
-    """Whether the step's integer maths needs 64 bits: rng slots, or an integer constant beyond int32."""
+    """Whether the step's integer maths needs 64 bits: rng slots, an integer constant beyond int32, or a
+    64-bit ``carry:`` slot (a software-pipelined step's parts compile separately and pass their carries to
+    each other: both keep them 64-bit, whatever else each part contains)."""
     if any(slot.kind == "rng" for slot in step.signature.state):
+        return True
+    if any(slot.kind == "carry" and slot.dtype.itemsize == 8 for slot in step.signature.state):
         return True
     for node in step.graph.nodes:
         if node.op != "call_function":

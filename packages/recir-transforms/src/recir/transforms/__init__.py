@@ -79,6 +79,7 @@ from ._pipeline import TransformRecord as TransformRecord
 from ._pipeline_text import format_transform as format_transform
 from ._pipeline_text import parse_pipeline as parse_pipeline
 from ._pipeline_text import parse_transform as parse_transform
+from ._pipelined import PipelinedStep as PipelinedStep
 from ._private_apis import missing_private_apis as missing_private_apis
 from ._private_apis import require_private_apis as require_private_apis
 from ._profile import RegionTime as RegionTime
@@ -109,6 +110,7 @@ from ._slot_names import SLOT_KINDS as SLOT_KINDS
 from ._slot_names import STEP_SLOT as STEP_SLOT
 from ._slot_names import SlotName as SlotName
 from ._slot_names import buffer_slot as buffer_slot
+from ._slot_names import carry_slot as carry_slot
 from ._slot_names import lr_slot as lr_slot
 from ._slot_names import optim_slot as optim_slot
 from ._slot_names import param_slot as param_slot
@@ -175,11 +177,14 @@ from ._transform import (
 from ._transform import (
     registered_transforms as registered_transforms,
 )
+from ._transforms import PIPELINE_SPARSE_KEY as PIPELINE_SPARSE_KEY
 from ._transforms import RECOMPUTE_KEY as RECOMPUTE_KEY
 from ._transforms import CommonSubexpressionElimination as CommonSubexpressionElimination
 from ._transforms import DeadCodeElimination as DeadCodeElimination
 from ._transforms import MixedPrecision as MixedPrecision
+from ._transforms import PipelineSparse as PipelineSparse
 from ._transforms import Recompute as Recompute
+from ._transforms import SparsePipelineInfo as SparsePipelineInfo
 from ._transforms import transient_peak_bytes as transient_peak_bytes
 from ._verify import INVARIANTS as INVARIANTS
 from ._verify import register_graph_namespace as register_graph_namespace
@@ -208,6 +213,7 @@ __all__ = [
     "optim_slot",
     "lr_slot",
     "rng_slot",
+    "carry_slot",
     "SLOT_KINDS",
     "STEP_SLOT",
     "RNG_SEED_SLOT",
@@ -264,6 +270,10 @@ __all__ = [
     "splice",
     # pipelines
     "Pipeline",
+    "PipelinedStep",
+    "PipelineSparse",
+    "PIPELINE_SPARSE_KEY",
+    "SparsePipelineInfo",
     "TransformRecord",
     "parse_pipeline",
     "parse_transform",

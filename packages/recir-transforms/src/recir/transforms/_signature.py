@@ -12,9 +12,9 @@ import torch.utils._pytree as pytree
 from ._batch_adapters import adapt_batch
 from ._errors import ConfigError, DataError
 
-StateKind = Literal["param", "buffer", "optim", "rng"]
+StateKind = Literal["param", "buffer", "optim", "rng", "carry"]
 BatchRole = Literal["dense", "ids", "lengths", "offsets", "label", "weight", "other"]
-STATE_KINDS: tuple[str, ...] = ("param", "buffer", "optim", "rng")
+STATE_KINDS: tuple[str, ...] = ("param", "buffer", "optim", "rng", "carry")
 BATCH_ROLES: tuple[str, ...] = ("dense", "ids", "lengths", "offsets", "label", "weight", "other")
 
 
@@ -31,7 +31,8 @@ class StateSlot:
     """One state tensor: input ``i`` of the state block is replaced by output ``i``.
 
     Names are stable and readable: ``param:<module path>``, ``buffer:<path>``,
-    ``optim:<param path>:<key>``, ``optim:step``, ``rng:<name>``.
+    ``optim:<param path>:<key>``, ``optim:step``, ``rng:<name>``, ``carry:<stage>:<name>`` (a
+    software-pipelined step's values of a later batch, see ``recir-pipeline-sparse``).
     """
 
     name: str

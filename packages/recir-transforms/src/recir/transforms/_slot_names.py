@@ -2,7 +2,8 @@
 
 ``param:<path>`` and ``buffer:<path>`` (a module path), ``optim:<path>:<key>`` (a parameter's optimizer
 state, torch.optim's key), ``optim:group<i>:lr`` (a param group's learning rate), ``optim:<name>`` (a
-shared scalar: ``optim:step``, the step count) and ``rng:<name>`` (``rng:seed``, ``rng:offset``).
+shared scalar: ``optim:step``, the step count), ``rng:<name>`` (``rng:seed``, ``rng:offset``) and
+``carry:<stage>:<name>`` (a value a software-pipelined step computed from a later batch, ``recir-pipeline-sparse``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 
 from ._errors import ConfigError
 
-SLOT_KINDS: tuple[str, ...] = ("param", "buffer", "optim", "rng")
+SLOT_KINDS: tuple[str, ...] = ("param", "buffer", "optim", "rng", "carry")
 STEP_SLOT = "optim:step"
 RNG_SEED_SLOT = "rng:seed"
 RNG_OFFSET_SLOT = "rng:offset"
@@ -42,6 +43,11 @@ def rng_slot(name: str) -> str:
     return f"rng:{name}"
 
 
+def carry_slot(stage: int, name: str) -> str:
+    """``carry:<stage>:<name>``: value ``name`` of the batch ``stage + 1`` calls ahead, carried in state."""
+    return f"carry:{stage}:{name}"
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotName:
     """A parsed state-slot name.
@@ -69,6 +75,8 @@ class SlotName:
             return f"{self.kind}:{self.path}"
         if self.kind == "rng":
             return rng_slot(str(self.key))
+        if self.kind == "carry":
+            return f"carry:{self.key}"
         if self.group is not None:
             return lr_slot(self.group)
         if self.path is None:
@@ -85,7 +93,7 @@ def parse_slot_name(name: str) -> SlotName:
     kind, sep, rest = name.partition(":")
     if sep and rest and kind in ("param", "buffer"):
         return SlotName(kind, path=rest)
-    if sep and rest and kind == "rng":
+    if sep and rest and kind in ("rng", "carry"):
         return SlotName(kind, key=rest)
     if sep and rest and kind == "optim":
         lr = _LR.fullmatch(name)
@@ -98,8 +106,8 @@ def parse_slot_name(name: str) -> SlotName:
             return SlotName("optim", path=path, key=key)
     raise ConfigError(
         f"state slot name {name!r} is not of the grammar param:<path>, buffer:<path>, optim:<path>:<key>, "
-        "optim:group<i>:lr, optim:<name> or rng:<name>. Fix: name the slot with recir.transforms' "
-        "param_slot / buffer_slot / optim_slot / lr_slot / rng_slot."
+        "optim:group<i>:lr, optim:<name>, rng:<name> or carry:<stage>:<name>. Fix: name the slot with "
+        "recir.transforms' param_slot / buffer_slot / optim_slot / lr_slot / rng_slot / carry_slot."
     )
 
 

@@ -36,6 +36,8 @@ INVARIANTS: dict[str, str] = {
     "at most one node holds `recir.grad_of` for a slot",
     "INV-9": "step.meta['recir.optimizer'] maps param: slot names to optimizer entries (kind, lr_slot, ...) "
     "whose slot names follow the grammar; a parameter in the signature has its optimizer-state slots there too",
+    "INV-10": "a `carry:` state slot's new value is computed from the batch, unchanged state and other carries "
+    "only (a software-pipelined step never carries a value that reads updated state)",
 }
 
 #: Op namespaces whose ops are ordinary graph ops (not opaque): ATen/prims, and the functional
@@ -114,6 +116,7 @@ class _Checker:
         self.check_phase_flow()  # INV-5 (flow)
         self.check_param_tags()  # INV-8
         self.check_optimizer_meta()  # INV-9
+        self.check_carries()  # INV-10
 
     # INV-1
     def check_structure(self) -> None:
@@ -413,6 +416,37 @@ class _Checker:
                     )
                 if key == GRAD_OF_KEY:
                     seen[slot] = node
+
+    # INV-10
+    def check_carries(self) -> None:
+        slots = self.step.signature.state
+        if not any(s.kind == "carry" for s in slots):
+            return
+        phs = [n for n in self.graph.nodes if n.op == "placeholder"][: len(slots)]
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        outs = list(output.args[0])[: len(slots)]
+        updated = {ph: s.name for ph, s, o in zip(phs, slots, outs) if s.kind != "carry" and o is not ph}
+        for slot, value in zip(slots, outs):
+            if slot.kind != "carry" or not isinstance(value, fx.Node):
+                continue
+            seen: set[fx.Node] = set()
+            todo = [value]
+            while todo:
+                node = todo.pop()
+                if node in seen:
+                    continue
+                seen.add(node)
+                if node in updated:
+                    self.fail(
+                        "INV-10",
+                        f"the new value of {slot.name!r} reads state slot {updated[node]!r}, which the step updates",
+                        value,
+                        expected="a value computed from the batch, unchanged state and carries only",
+                        actual=f"depends on %{node.name} ({updated[node]})",
+                        fix="carry only batch-derived values (recir-pipeline-sparse's cut); compute anything "
+                        "that reads updated state in the step itself",
+                    )
+                todo.extend(node.all_input_nodes)
 
     # INV-9
     def check_optimizer_meta(self) -> None:

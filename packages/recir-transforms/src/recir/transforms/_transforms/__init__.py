@@ -3,15 +3,21 @@
 from .cse import CommonSubexpressionElimination as CommonSubexpressionElimination
 from .dce import DeadCodeElimination as DeadCodeElimination
 from .mixed_precision import MixedPrecision as MixedPrecision
+from .pipeline_sparse import PIPELINE_SPARSE_KEY as PIPELINE_SPARSE_KEY
+from .pipeline_sparse import PipelineSparse as PipelineSparse
+from .pipeline_sparse import SparsePipelineInfo as SparsePipelineInfo
 from .recompute import RECOMPUTE_KEY as RECOMPUTE_KEY
 from .recompute import Recompute as Recompute
 from .recompute import transient_peak_bytes as transient_peak_bytes
 
 __all__ = [
+    "PIPELINE_SPARSE_KEY",
     "RECOMPUTE_KEY",
     "CommonSubexpressionElimination",
     "DeadCodeElimination",
     "MixedPrecision",
+    "PipelineSparse",
     "Recompute",
+    "SparsePipelineInfo",
     "transient_peak_bytes",
 ]
