@@ -45,6 +45,8 @@ from ._table import tables_from_torchrec as tables_from_torchrec
 from ._tbe import FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
 from ._tbe import FusedTBE as FusedTBE
 from ._tbe import fused_tbe_tables as fused_tbe_tables
+from ._transforms.mask_padding import JAGGED_KEY as JAGGED_KEY
+from ._transforms.mask_padding import MaskPadding as MaskPadding
 from ._transforms.quantize_tables import QUANT_DTYPES as QUANT_DTYPES
 from ._transforms.quantize_tables import QUANTIZE_KEY as QUANTIZE_KEY
 from ._transforms.quantize_tables import QuantizedTableInitializer as QuantizedTableInitializer
@@ -104,6 +106,8 @@ __all__ = [
     "HostSplit",
     # serving: tables stored row-wise quantised (int8 + scale/bias, fp16)
     "QuantizeTables",
+    "MaskPadding",
+    "JAGGED_KEY",
     "QuantizedTableInitializer",
     "quantize_rows",
     "dequantize_rows",
