@@ -68,3 +68,11 @@ def test_two_tower_auto_buckets_pad_less_and_train_the_same(tmp_path, capsys):
     auto, auto_waste, auto_compiles = run("--buckets", "auto")
     assert fixed_compiles == 1 < auto_compiles and auto_waste < fixed_waste / 4, (fixed_waste, auto_waste)
     torch.testing.assert_close(torch.tensor(auto), torch.tensor(fixed), rtol=1e-5, atol=1e-6)
+
+
+def test_two_tower_bad_buckets_are_a_usage_error(tmp_path, capsys):
+    from recir.examples.two_tower import train
+
+    with pytest.raises(SystemExit) as info:
+        train.main(["--checkpoint_dir", str(tmp_path), "--buckets", "abc"])
+    assert info.value.code == 2 and "argument --buckets: invalid" in capsys.readouterr().err

@@ -54,17 +54,16 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=20, help="train until this many steps are done")
     parser.add_argument("--checkpoint_dir", required=True, help="resumes from the latest checkpoint here")
     parser.add_argument("--checkpoint_every", type=int, default=5)
-    auto = "or 'auto' (powers of two for 8 batches, then recir.embedding.suggest_buckets' buckets)"
-    parser.add_argument(
-        "--buckets", default="256", help=f"ids per feature to pad to, comma-separated, {auto}"
-    )
+    sizes = lambda s: s if s == "auto" else [int(b) for b in s.split(",")]  # noqa: E731 - bad: usage error
+    auto = "comma-separated, or 'auto' (powers of two for 8 batches, then suggest_buckets' buckets)"
+    parser.add_argument("--buckets", type=sizes, default="256", help=f"ids per feature to pad to, {auto}")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     model = TwoTower()
     dense, tables = model.mlp.parameters(), model.ebc.parameters()
     optimizers = [torch.optim.Adam(dense, lr=1e-3), emb.RowWiseAdagrad(tables, lr=0.05)]
-    buckets = emb.AutoBuckets(8) if args.buckets == "auto" else [int(b) for b in args.buckets.split(",")]
+    buckets = emb.AutoBuckets(8) if args.buckets == "auto" else args.buckets
     compile_fn = functools.partial(lg.compile, device="cuda" if torch.cuda.is_available() else "cpu")
     trainer = BucketedStep(
         model, optimizers, loss_fn, compile=compile_fn, overrides=emb.overrides(), batch_buckets=buckets
