@@ -323,7 +323,7 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _is_sparse(node: fx.Node) -> bool:
-    """A collective, or an opaque override op (recir::embedding_bag and the other lookups)."""
+    """A collective, or a recir:: op (recir::embedding_bag and the other lookups, the id checks)."""
     target = node.target
     if _is_collective(node):
         return True
