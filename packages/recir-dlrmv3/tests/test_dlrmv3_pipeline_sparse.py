@@ -49,3 +49,11 @@ def test_bad_pipeline_sparse_flags_say_what_to_pass(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--pipeline_sparse", "two"])
     assert info.value.code == 2 and "--pipeline_sparse" in capsys.readouterr().err
+
+
+def test_pipelined_training_on_the_gpu_path_matches_the_interpreter():
+    plain = train(TrainOptions(target="eager-graph", **TINY), log=lambda _: None)  # type: ignore[arg-type]
+    lines: list[str] = []
+    piped = train(TrainOptions(target="gpu", pipeline_sparse=2, **TINY), log=lines.append)  # type: ignore[arg-type]
+    assert any("recir.lower_gpu.compile" in line and "--pipeline_sparse 2: " in line for line in lines), lines
+    assert piped.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-6)

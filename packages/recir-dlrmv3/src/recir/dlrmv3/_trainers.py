@@ -8,6 +8,7 @@ Every trainer exposes its state as one flat `slot name -> tensor` dict (the Step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -209,6 +210,11 @@ class CompiledTrainer:
             extra: dict[str, Any] = {} if compile_options is None else {"options": compile_options}
             if target == "tpu":
                 extra["mesh"] = mesh
+            elif pipeline_sparse:
+                # FBGEMM's fused TBE trains its tables outside the graph, in each compiled step's own module;
+                # the pipelined step and its prologue share one state, so their tables stay in the graph
+                base = extra.get("options") or lowering.GPUOptions()
+                extra["options"] = dataclasses.replace(base, fused_tbe=False)
 
             def lower(step: Any) -> Any:
                 # identical programs on every rank compile once per machine (a no-op without a process group)
@@ -220,6 +226,12 @@ class CompiledTrainer:
                 f"{lowering.__name__}.compile on {_device_words(target)}{where}, "
                 f"embedding backend {embedding_backend or 'default'}"
             )
+            if (
+                tbe := getattr(self.compiled, "tbe", None)
+            ) is not None:  # recir.lower_gpu's FusedTBECompiledStep
+                self.description += (
+                    f" ({len(tbe.split.tables)} table(s) trained by FBGEMM's TBE, fused optimizer)"
+                )
         if pipeline_sparse:
             from recir.transforms import PipelinedStep
 
@@ -230,12 +242,6 @@ class CompiledTrainer:
                 f", --pipeline_sparse {pipeline_sparse}: {stats['moved']} node(s) ahead ({stats['collectives']} "
                 f"collective(s)), {stats['carried']} value(s) carried ({stats['carry_bytes'] / 1024:.1f} KiB)"
             )
-            if (
-                tbe := getattr(self.compiled, "tbe", None)
-            ) is not None:  # recir.lower_gpu's FusedTBECompiledStep
-                self.description += (
-                    f" ({len(tbe.split.tables)} table(s) trained by FBGEMM's TBE, fused optimizer)"
-                )
         self.state = self.compiled.init_state(model, opt) if state is None else state
         self._first = True
         self.compile_seconds = 0.0

@@ -27,7 +27,7 @@ from ._cudagraph import CudaGraphStep
 from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe
 from ._options import GPUOptions
-from ._pipeline import InPlaceEpilogue, SplitRepeatedRegions, gpu_pipeline
+from ._pipeline import InPlaceEpilogue, SplitRepeatedRegions, collectives, gpu_pipeline
 from ._private_apis import check_private_apis
 from ._regions import RegionsFn, RegionSplit, compile_regions
 from ._step import GPUCompiledStep
@@ -199,7 +199,9 @@ def _inductor(
         memoized_cpu_isa_probe(recir_cache_dir()) if memo_isa else contextlib.nullcontext(),
     ):
         regions = next((t for t in pipeline.transforms if isinstance(t, SplitRepeatedRegions)), None)
-        pipelined = any(slot.kind == "carry" for slot in ir.signature.state)
+        # a recir-pipeline-sparse step whose next-batch collectives should overlap (Inductor's comm
+        # reordering needs a process group: only where the graph has collectives)
+        pipelined = any(slot.kind == "carry" for slot in ir.signature.state) and bool(collectives(gm))
         patches = options.inductor_patches(dev.type, pipelined=pipelined)
         try:
             if regions is not None and regions.split is not None and options.in_place:
