@@ -177,3 +177,44 @@ def test_the_verifier_catches_a_carry_that_reads_updated_state():
     with pytest.raises(VerificationError, match="INV-10") as err:
         verify(steady)
     assert "param:table" in str(err.value) and "carry:0:embedding_bag_1" in str(err.value)
+
+
+def test_a_value_both_sides_read_moves_and_is_carried():
+    # the ids' view feeds the hashed lookup (moves ahead) and a dense feature (stays): the moved hash must
+    # read the new batch's view, the dense feature batch i's carried one
+    def fn(state, data):
+        ids, offsets, dense, y = data
+        table, head = (t.detach().requires_grad_(True) for t in state[:2])
+        flat = ids.view(-1)
+        e = torch.ops.recir.embedding_bag(table, torch.remainder(flat * 7 + 3, ROWS), offsets, None, 0)
+        count = flat.to(torch.float32).mean().expand(B, 1) / 1000.0  # the raw ids as a dense feature
+        pred = (torch.cat([e, dense, count], 1) @ head).squeeze(1)
+        loss = ((pred - y) ** 2).mean()
+        mark_phase("backward")
+        g_table, g_head = torch.autograd.grad(loss, [table, head])
+        mark_phase("optimizer")
+        return [(table - 0.1 * g_table).detach(), (head - 0.1 * g_head).detach()], [loss.detach()]
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "param:table": ("param", torch.randn(ROWS, D, generator=g)),
+        "param:head": ("param", torch.randn(D + 2, 1, generator=g)),
+    }
+    data = {
+        "ids": ("ids", torch.zeros(IDS, dtype=torch.long)),
+        "offsets": ("offsets", torch.tensor([0, 2, 4, 6, 8])),
+        "dense": ("dense", torch.zeros(B, 1)),
+        "y": ("label", torch.zeros(B)),
+    }
+    step, s, _ = trace_step(fn, state, data, ["loss"])
+    for node in step.graph.nodes:
+        if node.target is torch.ops.recir.embedding_bag.default:
+            node.meta[OVERRIDE_KEY] = override_for_op(node.target)
+    batches = _batches(4)
+    want_state, want_losses = _unpipelined(step, list(s), batches)
+    pipe = PipelinedStep.build(step, stages=2)
+    ran = list(pipe.run(pipe.load_state_dict(step.state_dict(s)), batches))
+    got, losses = ran[-1][0], [out[0] for _, out in ran]
+    assert all(torch.equal(a, b) for a, b in zip(got, want_state))
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+    assert "view" in pipe.steady.meta[PIPELINE_SPARSE_KEY].moved

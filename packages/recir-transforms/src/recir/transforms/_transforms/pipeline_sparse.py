@@ -156,17 +156,30 @@ class _Cut:
             "no batch-only collective, lookup or id computation feeds the sparse path" if not moved else ""
         )
         # A value crossing the cut must be a tensor (it lives in a state slot), else it (and what it feeds)
-        # stays in the step; a view crossing it stays too (its base is carried once instead of each view).
+        # stays in the step; a view read only by the step stays too (its base is carried once, not each
+        # view). A view that moved nodes read as well moves: they must see the new batch's value.
         while True:
             frontier = self._frontier(graph, moved)
             bad = [n for n in frontier if not isinstance(n.meta.get("val"), torch.Tensor)]
             if bad:
                 moved -= _descendants(bad, moved)
                 continue
-            views = [n for n in frontier if n in moved and _is_view(n) and n.all_input_nodes]
+            views = [
+                n
+                for n in frontier
+                if n in moved and _is_view(n) and n.all_input_nodes and not any(u in moved for u in n.users)
+            ]
             if not views:
                 break
             moved -= set(views)
+        for node in moved:  # each moved node reads moved nodes, the batch, or batch-independent values only
+            late = [
+                i
+                for i in node.all_input_nodes
+                if i in batch_dep and i not in moved and i not in self.batch_phs
+            ]
+            if late:
+                raise AssertionError(f"{NAME}: %{node.name} would read this batch's %{late[0].name}")
         self.moved = [n for n in graph.nodes if n in moved]
         self.frontier = self._frontier(graph, moved)
         if not self.moved:
