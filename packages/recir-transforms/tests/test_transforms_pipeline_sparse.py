@@ -218,3 +218,13 @@ def test_a_value_both_sides_read_moves_and_is_carried():
     assert all(torch.equal(a, b) for a, b in zip(got, want_state))
     assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
     assert "view" in pipe.steady.meta[PIPELINE_SPARSE_KEY].moved
+
+
+def test_build_reports_the_transform_like_any_pipeline(monkeypatch):
+    step, _ = _sparse_step()
+    pipe = PipelinedStep.build(step, stages=3)
+    assert pipe.pipeline is not None and "recir-pipeline-sparse" in pipe.pipeline.report()
+    assert pipe.stats["stages"] == 3 and pipe.stats["carry_bytes"] > 0
+    monkeypatch.setenv("RECIR_DISABLE", "recir-pipeline-sparse")  # bisecting: the step stays unpipelined
+    with pytest.raises(ConfigError, match="nothing to pipeline .*disabled"):
+        PipelinedStep.build(step, stages=2)

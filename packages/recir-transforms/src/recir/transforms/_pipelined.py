@@ -10,6 +10,7 @@ from torch import nn
 
 from ._compiled import CompiledStep
 from ._errors import ConfigError
+from ._pipeline import Pipeline
 from ._signature import StateSlot
 from ._step import StepGraph
 from ._transforms.pipeline_sparse import PIPELINE_SPARSE_KEY, PipelineSparse
@@ -44,6 +45,7 @@ class PipelinedStep:
         self.steady, self.prologue, self.stages = steady, prologue, stages
         self.carry_slots = tuple(carry_slots)
         self.stats: Mapping[str, Any] = {}  # recir-pipeline-sparse's stats (moved, carried, ...) via build()
+        self.pipeline: Pipeline | None = None  # build()'s one-transform Pipeline: .report()
         self._in_flight = 0
         self._last_batch: Any = None
 
@@ -56,18 +58,20 @@ class PipelinedStep:
     ) -> PipelinedStep:
         """Pipeline ``step`` with ``recir-pipeline-sparse`` and compile both parts with ``compile``
         (default: none, the reference interpreter). A step with nothing to pipeline raises ConfigError."""
-        result = PipelineSparse(stages=stages)(step)  # builds new graphs; ``step`` is left as it is
-        if not result.changed:
+        pipeline = Pipeline([PipelineSparse(stages=stages)], name=PipelineSparse.name)
+        steady = pipeline.run(step)  # builds new graphs; ``step`` is left as it is
+        record = pipeline.records[0]
+        if PIPELINE_SPARSE_KEY not in steady.meta:
+            why = record.stats.get("reason") or f"{record.status} (RECIR_DISABLE?)"
             raise ConfigError(
-                f"recir-pipeline-sparse: nothing to pipeline ({result.stats.get('reason')}). Fix: distribute "
-                "the step first (recir.distributed.distribute) so its ids travel by all-to-all, or train unpipelined."
+                f"recir-pipeline-sparse: nothing to pipeline ({why}). Fix: distribute the step first "
+                "(recir.distributed.distribute) so its ids travel by all-to-all, or train unpipelined."
             )
-        steady = result.step
         prologue = steady.meta[PIPELINE_SPARSE_KEY].prologue
         fn = compile if compile is not None else (lambda s: s)
         carry = [slot for slot in steady.signature.state if slot.kind == "carry"]
         out = cls(fn(steady), fn(prologue), stages, carry)
-        out.stats = dict(result.stats)
+        out.stats, out.pipeline = dict(record.stats), pipeline
         return out
 
     @property

@@ -237,9 +237,7 @@ def _build(step: StepGraph, cut: _Cut, k: int, *, prologue: bool) -> StepGraph:
     for j in range(k - 1):
         for f in cut.frontier:
             value = carries[j + 1][f] if j + 1 < k - 1 else nxt[f]
-            if (
-                value.op == "placeholder"
-            ):  # another input (a batch tensor, the next stage): a fresh copy (INV-2)
+            if value.op == "placeholder" or _is_view(value):  # an input, or a view of one: a copy (INV-2)
                 value = g.call_function(torch.ops.aten.clone.default, (value,))
                 value.meta.update(val=f.meta["val"], **{PHASE_KEY: "forward"})
             new_state.append(value)
