@@ -49,6 +49,11 @@ def _sparse_step() -> tuple[StepGraph, list[torch.Tensor]]:
         "optim:table:momentum_buffer": ("optim", torch.zeros(ROWS, D)),
         "optim:head:momentum_buffer": ("optim", torch.zeros(2 * D + 1, 1)),
     }
+    return _traced(fn, state)
+
+
+def _traced(fn, state: dict) -> tuple[StepGraph, list[torch.Tensor]]:  # noqa: ANN001
+    """``fn`` traced over the batch ids/offsets/dense/y, its recir::embedding_bag nodes tagged as overrides."""
     data = {
         "ids": ("ids", torch.zeros(IDS, dtype=torch.long)),
         "offsets": ("offsets", torch.tensor([0, 2, 4, 6, 8])),
@@ -200,16 +205,7 @@ def test_a_value_both_sides_read_moves_and_is_carried():
         "param:table": ("param", torch.randn(ROWS, D, generator=g)),
         "param:head": ("param", torch.randn(D + 2, 1, generator=g)),
     }
-    data = {
-        "ids": ("ids", torch.zeros(IDS, dtype=torch.long)),
-        "offsets": ("offsets", torch.tensor([0, 2, 4, 6, 8])),
-        "dense": ("dense", torch.zeros(B, 1)),
-        "y": ("label", torch.zeros(B)),
-    }
-    step, s, _ = trace_step(fn, state, data, ["loss"])
-    for node in step.graph.nodes:
-        if node.target is torch.ops.recir.embedding_bag.default:
-            node.meta[OVERRIDE_KEY] = override_for_op(node.target)
+    step, s = _traced(fn, state)
     batches = _batches(4)
     want_state, want_losses = _unpipelined(step, list(s), batches)
     pipe = PipelinedStep.build(step, stages=2)

@@ -21,7 +21,6 @@ offsets leave padding out of every bag. The ids may reach the lookup through pos
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -35,6 +34,7 @@ from recir.transforms import (
     Transform,
     TransformResult,
     register_transform,
+    splice,
 )
 
 aten = torch.ops.aten
@@ -138,43 +138,23 @@ def _positionwise(node: fx.Node) -> bool:
     return torch.Tag.pointwise in target.tags or target in (aten.clone.default, aten._to_copy.default)
 
 
+def _valid_rows(rows: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 0/1 column of real positions (``arange(N) < sum(lengths)``) and ``rows`` times it."""
+    pos = torch.arange(rows.shape[0], device=rows.device, dtype=lengths.dtype)
+    col = (pos < lengths.sum()).to(rows.dtype).unsqueeze(1)
+    return col, rows * col
+
+
 def _mask(graph: fx.Graph, lookup: fx.Node, lengths: fx.Node, name: str) -> None:
-    rows = lookup.meta["val"]
-    n, dtype = rows.shape[0], rows.dtype
-    users = [u for u in lookup.users]
-    with graph.inserting_before(lookup.next):  # in order, right after the lookup
-        total = _call(graph, aten.sum.default, (lengths,))
-        pos = _call(graph, aten.arange.default, (n,), device=rows.device, dtype=lengths.meta["val"].dtype)
-        valid = _call(graph, aten.lt.Tensor, (pos, total))
-        weight = _call(graph, aten._to_copy.default, (valid,), dtype=dtype)
-        col = _call(graph, aten.unsqueeze.default, (weight, 1))
-        masked = _call(graph, aten.mul.Tensor, (lookup, col))
-    for node in (total, pos, valid, weight, col, masked):
-        node.meta[PHASE_KEY] = "forward"
-        node.meta["recir.provenance"] = [name]
-    _propagate((total, pos, valid, weight, col, masked), rows)
+    users = list(lookup.users)
+    col, masked = splice(
+        graph, _valid_rows, [lookup, lengths], before=lookup.next, phase="forward", provenance=name
+    )
     for user in users:
         user.replace_input_with(lookup, masked)
     # the table's gradient: zeros.index_add(0, ids, per_id) with this lookup's ids (recir::embedding's backward)
     ids = lookup.args[1]
     for grad in [u for u in ids.users if u.target == aten.index_add.default and u.args[2] is ids]:
-        per_id = grad.args[3]
-        with graph.inserting_before(grad):
-            scaled = _call(graph, aten.mul.Tensor, (per_id, col))
-        scaled.meta[PHASE_KEY] = grad.meta.get(PHASE_KEY, "backward")
-        scaled.meta["recir.provenance"] = [name]
-        _propagate((scaled,), rows)
+        phase = grad.meta.get(PHASE_KEY, "backward")
+        (scaled,) = splice(graph, torch.mul, [grad.args[3], col], before=grad, phase=phase, provenance=name)
         grad.update_arg(3, scaled)
-
-
-def _call(graph: fx.Graph, op: Any, args: tuple[Any, ...], **kwargs: Any) -> fx.Node:
-    return graph.call_function(op, args, kwargs)
-
-
-def _propagate(nodes: tuple[fx.Node, ...], like: torch.Tensor) -> None:
-    """Each new node's ``val`` from its inputs', in the fake mode of ``like`` (a value of the graph)."""
-    mode = getattr(like, "fake_mode", None)
-    for node in nodes:
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
-        with mode if mode is not None else contextlib.nullcontext():
-            node.meta["val"] = node.target(*args, **kwargs)
