@@ -15,6 +15,7 @@ IN_GRAPH = [
     "recir-embed-sparsify-update",
     "recir-embed-apply-backend",
     "recir-gpu-retarget-devices",
+    "recir-gpu-onednn-matmul",
     "recir-gpu-check-kernels",
     "recir-gpu-in-place-epilogue",
 ]
@@ -64,6 +65,7 @@ def test_report_lists_every_rewrite_and_the_dump_holds_inductors_input(
         "recir-embed-apply-backend",
         "recir-embed-cut-host-split",
         "recir-gpu-retarget-devices",
+        "recir-gpu-onednn-matmul",
         "recir-gpu-check-kernels",
         "recir-gpu-in-place-epilogue",
     ]
