@@ -1,6 +1,8 @@
 """DLRMv3 training speed: ms/step (min and median over rounds), samples/s, peak RSS and compile seconds
 of eager PyTorch, the GPU path and the TPU path, in fp32 and bf16, at the configurations of
-docs/dlrmv3-reference.md; ratios against the reference loop's figures there and against eager measured here.
+docs/dlrmv3-reference.md; ratios against the reference loop (its figures there, or, with `--reference
+DIR`, the reference loop itself measured in the same run by benchmarks/reference_dlrmv3.py) and against
+eager measured here.
 
 Not a test. Each (configuration, target, precision) runs in its own process, so its peak RSS is its
 own. The compiled paths pack each batch's real tokens (`--token_budget`, default auto: the per-batch mean
@@ -131,6 +133,29 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float, str]:
+    """The reference loop's median ms/step at ``uih`` measured now (benchmarks/reference_dlrmv3.py on the
+    checkout ``--reference`` names), and a note for the row when it could not be measured."""
+    import pathlib
+
+    if batch != 16:
+        return math.nan, "the reference's debug config trains batch 16 only"
+    here = pathlib.Path(__file__).parent
+    root = pathlib.Path(args.reference)
+    cmd = [sys.executable, str(here / "reference_dlrmv3.py"), "--gr_dir", str(root / "generative-recommenders"),
+           "--deps_dir", str(root / "deps"), "--max_seq_len", str(uih + 2 + args.num_candidates),
+           "--threads", str(args.threads), "--steps", str(args.rounds * args.steps + args.warmup),
+           "--warmup", str(args.warmup)]  # fmt: skip
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout or None)
+    except subprocess.TimeoutExpired:
+        return math.nan, f"over --timeout {args.timeout} s"
+    lines = [x for x in run.stdout.splitlines() if x.startswith("REF ")]
+    if run.returncode != 0 or not lines:
+        return math.nan, " | ".join(run.stderr.strip().splitlines()[-3:])[-400:] or "no output"
+    return float(lines[-1].split("median_ms=")[1].split()[0]), ""
+
+
 def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str) -> list[str]:
     keep = ("embedding_dim", "num_layers", "num_heads", "num_candidates", "hash_size", "threads", "steps",
             "rounds", "warmup", "input_dropout", "layer_dropout", "host_memory", "token_budget",
@@ -200,6 +225,14 @@ def main() -> None:
         "--timeout", type=float, default=0, help="seconds per row (0: none); a row over it prints 'failed'"
     )
     # one measurement in this process (what the parent runs per row)
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="DIR",
+        help="measure the reference loop (Meta's generative-recommenders) in this run at each configuration, "
+        "from DIR as benchmarks/reference_setup.sh makes it (DIR/generative-recommenders, DIR/deps), and print "
+        "'vs ref' against that instead of the figures in docs/dlrmv3-reference.md (CPU, batch 16 only)",
+    )
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--uih", type=int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--target", default="tpu", help=argparse.SUPPRESS)
@@ -220,7 +253,8 @@ def main() -> None:
           f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over "
           f"{args.rounds} rounds of {args.steps} steps; host memory {args.host_memory}; GPU/TPU paths' token "
           f"budget {args.token_budget}; 'vs ref' = reference loop ms / ours "
-          "(docs/dlrmv3-reference.md: 2 CPU threads, so CPU runs only)")  # fmt: skip
+          + (f"(the reference loop measured now from {args.reference})" if args.reference else
+             "(docs/dlrmv3-reference.md: 2 CPU threads, so CPU runs only)"))  # fmt: skip
     head = (
         f"{'uih':>5} {'batch':>5} {'target':>13} {'prec':>5} {'compile s':>9} {'min ms':>8} {'median ms':>9}"
     )
@@ -231,6 +265,10 @@ def main() -> None:
         batch = args.batch_size or batch
         like_for_like = args.threads == 2 and device == "cpu" and batch == PEERS.get(uih, (0,))[0]
         peer = peer if like_for_like else math.nan
+        if args.reference and device == "cpu":
+            peer, why = _reference_ms(args, uih, batch)
+            row = f"{uih:>5} {batch:>5} {'reference':>13} {'fp32':>5}"
+            print(f"{row}  failed: {why}" if why else f"{row} {'':>9} {'':>8} {peer:>9.1f}", flush=True)
         eager: dict[str, float] = {}
         for precision in args.precisions.split(","):
             for target in args.targets.split(","):

@@ -29,7 +29,7 @@ from ._onednn import OVERRIDE, onednn_available, route_matmuls
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
 from ._regions import RegionSplit
-from ._store import expand_recompute_barriers, register_inductor_lowering, store_rng_masks
+from ._store import expand_recompute_barriers, register_inductor_lowering, store_rng_masks, store_shared_masks
 
 log = logging.getLogger("recir.lower_gpu")
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
@@ -76,6 +76,25 @@ class StoreRngMasks(Transform):
         stored = store_rng_masks(step.graph_module)
         if stored:
             log.info("recir.lower_gpu: %d dropout mask(s) stored once, not recomputed per reader", stored)
+        return TransformResult(step, bool(stored), {"masks": stored})
+
+
+@register_transform
+class StoreSharedMasks(Transform):
+    """Compute once, and store as bytes, every large boolean value that three or more kernels read
+    (``GPUOptions.store_shared_masks``): an attention mask built once per step and read by every layer's
+    forward and backward was otherwise recomputed (int64 position compares) inside each of them::
+
+        %mask = and(%causal, %valid)            %mask = and(%causal, %valid)
+        ... 20 readers of %mask              -> %stored = recir.store(%mask); ... 20 readers of %stored
+    """
+
+    name = "recir-gpu-store-shared-masks"
+    summary = "compute large boolean values read by 3+ kernels once (recir::store)"
+
+    def run(self, step: StepGraph) -> TransformResult:
+        register_inductor_lowering()
+        stored = store_shared_masks(step.graph_module)
         return TransformResult(step, bool(stored), {"masks": stored})
 
 
@@ -215,7 +234,8 @@ def gpu_pipeline(
        ``fbgemm`` backend and ``GPUOptions(fused_tbe=True)``, the tables FBGEMM's TBE can train are
        marked and the step is cut at the embedding boundary (``recir-embed-cut-host-split``): what
        follows compiles only the device part, and TBE runs the tables around it;
-    3. dropout masks stored once (``GPUOptions.store_rng_masks``);
+    3. dropout masks stored once (``GPUOptions.store_rng_masks``), and boolean values many kernels read,
+       such as an attention mask (``GPUOptions.store_shared_masks``);
     4. device arguments and constants moved to ``device``;
     5. on the CPU device, fp32 matrix products through oneDNN (``GPUOptions.cpu_matmul``);
     6. the kernel check (nothing rewritten);
@@ -243,6 +263,8 @@ def gpu_pipeline(
         transforms.append(CutHostSplit())
     if options.store_rng_masks:
         transforms.append(StoreRngMasks())
+    if options.store_shared_masks:
+        transforms.append(StoreSharedMasks())
     if any(n.target is torch.ops.recir.recompute_barrier.default for n in step.graph.nodes):
         transforms.append(ExpandRecomputeBarriers())
     transforms.append(RetargetDevices(device=str(device)))

@@ -127,3 +127,60 @@ def store_rng_masks(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+# Views Inductor computes by indexing (a read through them is a read of their input).
+_VIEWS = {
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.select.int,
+    torch.ops.aten._to_copy.default,  # a cast, fused into each reader like a view
+}
+
+
+def _readers(node: fx.Node) -> int:
+    """How many non-view nodes read ``node``, directly or through views and casts."""
+    count = 0
+    for user in node.users:
+        if user.op == "call_function" and user.target in _VIEWS:
+            count += _readers(user)
+        else:
+            count += 1
+    return count
+
+
+def store_shared_masks(gm: fx.GraphModule, min_readers: int = 3, min_numel: int = 1 << 16) -> int:
+    """Route every boolean value of at least ``min_numel`` elements that at least ``min_readers`` nodes
+    read (through views and casts) through ``recir::store``, so Inductor computes it once instead of in
+    every kernel that reads it. Returns how many. Values already stored, views and casts are skipped
+    (the value they read is the one to store), and so are dropout masks (``store_rng_masks`` decides)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if (
+            node.op != "call_function"
+            or node.target in _VIEWS
+            or node.target is torch.ops.recir.store.default
+            or node.meta.get(RNG_MASK_KEY) is not None  # dropout masks: GPUOptions.store_rng_masks
+            or not isinstance(val, Tensor)
+            or val.dtype != torch.bool
+            or val.numel() < min_numel
+            or any(u.target is torch.ops.recir.store.default for u in node.users)
+            or _readers(node) < min_readers
+        ):
+            continue
+        with gm.graph.inserting_after(node):
+            stored = gm.graph.call_function(torch.ops.recir.store.default, (node,))
+        stored.meta = {k: v for k, v in node.meta.items() if k != RNG_MASK_KEY}
+        stored.meta[OVERRIDE_KEY] = STORE_OVERRIDE
+        for user in [u for u in node.users if u is not stored]:
+            user.replace_input_with(node, stored)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
