@@ -111,18 +111,23 @@ def _or_zero(graph: fx.Graph, x: fx.Node, zero: fx.Node, barrier: fx.Node) -> fx
     return out
 
 
+def _store_after(graph: fx.Graph, node: fx.Node) -> None:
+    """Every reader of ``node`` reads ``recir::store(node)`` instead."""
+    with graph.inserting_after(node):
+        stored = graph.call_function(torch.ops.recir.store.default, (node,))
+    stored.meta = {k: v for k, v in node.meta.items() if k != RNG_MASK_KEY}
+    stored.meta[OVERRIDE_KEY] = STORE_OVERRIDE
+    for user in [u for u in node.users if u is not stored]:
+        user.replace_input_with(node, stored)
+
+
 def store_rng_masks(gm: fx.GraphModule) -> int:
     """Route every read of a ``recir.rng_mask`` node through ``recir::store``; returns how many."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.meta.get(RNG_MASK_KEY) is None or not node.users:
             continue
-        with gm.graph.inserting_after(node):
-            stored = gm.graph.call_function(torch.ops.recir.store.default, (node,))
-        stored.meta = {k: v for k, v in node.meta.items() if k != RNG_MASK_KEY}
-        stored.meta[OVERRIDE_KEY] = STORE_OVERRIDE
-        for user in [u for u in node.users if u is not stored]:
-            user.replace_input_with(node, stored)
+        _store_after(gm.graph, node)
         count += 1
     if count:
         gm.recompile()
@@ -174,12 +179,7 @@ def store_shared_masks(gm: fx.GraphModule, min_readers: int = 3, min_numel: int 
             or _readers(node) < min_readers
         ):
             continue
-        with gm.graph.inserting_after(node):
-            stored = gm.graph.call_function(torch.ops.recir.store.default, (node,))
-        stored.meta = {k: v for k, v in node.meta.items() if k != RNG_MASK_KEY}
-        stored.meta[OVERRIDE_KEY] = STORE_OVERRIDE
-        for user in [u for u in node.users if u is not stored]:
-            user.replace_input_with(node, stored)
+        _store_after(gm.graph, node)
         count += 1
     if count:
         gm.recompile()
