@@ -112,3 +112,14 @@ def mse_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def mlp_batch(seed: int, n: int = 4, din: int = 8, dout: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"x": torch.randn(n, din, generator=g), "y": torch.randn(n, dout, generator=g)}
+
+
+def train_compiled(
+    compiled: Any, model: nn.Module, optimizer: Any, batches: list[Any]
+) -> tuple[dict, torch.Tensor]:
+    """Run ``compiled`` from ``model``/``optimizer``'s state over ``batches``: (final state dict, losses)."""
+    state, losses = compiled.init_state(model, optimizer), []
+    for batch in batches:
+        state, out = compiled(state, batch)
+        losses.append(out[0])
+    return compiled.state_dict(state), torch.stack(losses)

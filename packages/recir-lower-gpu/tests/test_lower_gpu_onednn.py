@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import recir.lower_gpu as lg
 import torch
+from _lower_gpu_steps import mlp_batch, mse_loss, train_compiled
 from recir.capture import capture_train_step
 from recir.lower_gpu._onednn import MIN_MACS, onednn_available, route_matmuls
 from recir.transforms import ConfigError
@@ -23,12 +24,7 @@ def _model() -> nn.Module:
 
 
 def _batch(i: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(i)
-    return {"x": torch.randn(64, 256, generator=g), "y": torch.randn(64, 1, generator=g)}
-
-
-def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    return mlp_batch(i, n=64, din=256)
 
 
 def _train(cpu_matmul: str, cache_dir: str):  # type: ignore[no-untyped-def]
@@ -36,15 +32,11 @@ def _train(cpu_matmul: str, cache_dir: str):  # type: ignore[no-untyped-def]
     # SGD: Adam's update divides by sqrt(v), so a gradient element near zero turns a 1e-7 difference in the
     # summation order into a whole step of lr (seen: 2e-4 apart after 4 steps, both products correct)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = capture_train_step(model, opt, _loss, _batch(0))
+    step = capture_train_step(model, opt, mse_loss, _batch(0))
     compiled = lg.compile(
         step, device="cpu", options=lg.GPUOptions(cache_dir=cache_dir, cpu_matmul=cpu_matmul)
     )
-    state, losses = compiled.init_state(model, opt), []
-    for i in range(4):
-        state, out = compiled(state, _batch(i))
-        losses.append(out[0])
-    return compiled, compiled.state_dict(state), torch.stack(losses)
+    return compiled, *train_compiled(compiled, model, opt, [_batch(i) for i in range(4)])
 
 
 def test_onednn_products_train_like_atens(lower_gpu_cache_dir):

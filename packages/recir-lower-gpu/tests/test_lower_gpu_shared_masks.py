@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import recir.lower_gpu as lg
 import torch
+from _lower_gpu_steps import train_compiled
 from recir.capture import capture_train_step
 from recir.lower_gpu._store import store_shared_masks
 from torch import nn
@@ -44,11 +45,7 @@ def _train(store: bool, cache_dir: str):  # type: ignore[no-untyped-def]
     step = capture_train_step(model, opt, lambda m, b: m(b["x"], b["lengths"]), _batch(0))
     options = lg.GPUOptions(cache_dir=cache_dir, store_shared_masks=store)
     compiled = lg.compile(step, device="cpu", options=options)
-    state, losses = compiled.init_state(model, opt), []
-    for i in range(3):
-        state, out = compiled(state, _batch(i))
-        losses.append(out[0])
-    return compiled, compiled.state_dict(state), torch.stack(losses)
+    return compiled, *train_compiled(compiled, model, opt, [_batch(i) for i in range(3)])
 
 
 def test_a_mask_every_layer_reads_is_stored_once_and_the_numbers_are_the_same(lower_gpu_cache_dir):
