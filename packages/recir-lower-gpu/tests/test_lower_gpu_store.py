@@ -11,6 +11,7 @@ import torch
 from recir.capture import capture_train_step, testing
 from recir.lower_gpu._prepare import copy_graph_module
 from recir.lower_gpu._store import store_rng_masks
+from recir.transforms import Recompute
 
 
 def _step():
@@ -53,12 +54,19 @@ def test_stored_masks_give_the_same_bits(lower_gpu_cache_dir, caplog):
         torch.testing.assert_close(runs[True][1][name], value, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("store", [False, True, None])
 def test_store_rng_masks_option_is_respected(store, lower_gpu_cache_dir, caplog):
     _, _, _, step = _step()
-    with caplog.at_level(logging.INFO, logger="recir.lower_gpu"):
-        lg.compile(
-            step, device="cpu", options=lg.GPUOptions(store_rng_masks=store, cache_dir=lower_gpu_cache_dir)
-        )
-    assert ("stored once" in caplog.text) == store
-    assert lg.GPUOptions().store_rng_masks is False  # off by default: measured slower on the CPU
+    recomputed = Recompute(modules=("*",))(step.copy()).step
+    for graph, stored in ((step, bool(store)), (recomputed, store is not False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="recir.lower_gpu"):
+            lg.compile(
+                graph,
+                device="cpu",
+                options=lg.GPUOptions(store_rng_masks=store, cache_dir=lower_gpu_cache_dir),
+            )
+        # None (the default): stored only in a step that recomputes activations, where the mask is what
+        # the backward keeps (as bytes, not as an int64 stage of its hash); elsewhere measured slower on CPU
+        assert ("stored once" in caplog.text) == stored, (store, graph is recomputed)
+    assert lg.GPUOptions().store_rng_masks is None

@@ -38,9 +38,12 @@ class GPUOptions:
     - ``inductor_config``: extra ``torch._inductor.config`` patches (name -> value), applied last.
     - ``store_rng_masks``: compute each dropout keep mask once and store it (one byte per element)
       instead of letting Inductor recompute its counter hash in every kernel that reads it (the
-      forward's and the backward's). The values are the same either way. Off by default: on the CPU
-      it is slower (full-size DLRMv3, bf16, UIH 64: 320 ms/step against 276), and on CUDA, where an
-      H200 profile showed the recomputation, it has not been measured yet.
+      forward's and the backward's). The values are the same either way. ``None`` (the default): on for
+      steps that recompute activations (recir-recompute-activations), where the kept mask is what a
+      layer holds for its backward and Inductor would otherwise keep an int64 stage of the hash, 8 bytes
+      per element (full-size DLRMv3 at UIH 4096: 48 instead of 6 MiB per layer); off for other steps:
+      on the CPU it is slower there (full-size DLRMv3, bf16, UIH 64: 320 ms/step against 276), and on
+      CUDA, where an H200 profile showed the recomputation, it has not been measured yet.
     - ``store_shared_masks``: compute once and store (one byte per element) every boolean value of at least
       64K elements that three or more kernels read, such as an attention mask built once per step and
       read by every layer, forward and backward; Inductor otherwise recomputes its expression inside each
@@ -61,6 +64,13 @@ class GPUOptions:
       oneDNN when this torch has it). MKL takes its fast path only on Intel CPUs: on an AMD EPYC
       (AVX-512) oneDNN ran DLRMv3's products 2.1-2.5x faster. bf16/fp16 products and CUDA are unchanged
       (ATen already calls oneDNN, or cuBLAS, for them).
+    - ``free_early``: with ``in_place``, free each buffer after its last reader. Inductor orders a state
+      update after every kernel that read the old state through dependencies that also keep those
+      kernels' outputs alive, so without this every buffer computed from a parameter lives until the
+      parameter's update at the end of the backward (recir.lower_gpu._free_early). Same kernels and
+      values either way; it matters most for steps that recompute activations (full-size DLRMv3 at UIH
+      4096 with ``--recompute layers``: Inductor's buffers peaked at 1283 MiB without it, 759 with it and
+      the stored dropout masks, where the step's graph needs 878).
     """
 
     mode: InductorMode = "default"
@@ -71,11 +81,12 @@ class GPUOptions:
     cache_dir: str | None = None
     memoize_cpu_isa_probe: bool = True
     inductor_config: tuple[tuple[str, Any], ...] = ()
-    store_rng_masks: bool = False
+    store_rng_masks: bool | None = None
     store_shared_masks: bool = True
     fused_tbe: bool = True
     regions: Literal["whole", "repeated"] = "whole"
     cpu_matmul: Literal["auto", "onednn", "aten"] = "auto"
+    free_early: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in INDUCTOR_MODES:
@@ -126,6 +137,10 @@ class GPUOptions:
             patches["cpp.threads"] = torch.get_num_threads()
         from torch._inductor import config as inductor_config
 
+        if self.in_place and self.free_early:
+            from ._free_early import FreeEarly
+
+            patches["_pre_fusion_custom_pass"] = FreeEarly()
         if hasattr(inductor_config, "use_pre_grad_passes"):
             # Inductor's pre-grad passes rewrite Dynamo's torch-level graphs (torch.cat, F.linear, modules);
             # a StepGraph is ATen, where they find nothing, yet they ran on every compile, cache hits

@@ -234,7 +234,8 @@ def gpu_pipeline(
        ``fbgemm`` backend and ``GPUOptions(fused_tbe=True)``, the tables FBGEMM's TBE can train are
        marked and the step is cut at the embedding boundary (``recir-embed-cut-host-split``): what
        follows compiles only the device part, and TBE runs the tables around it;
-    3. dropout masks stored once (``GPUOptions.store_rng_masks``), and boolean values many kernels read,
+    3. dropout masks stored once (``GPUOptions.store_rng_masks``; by default when the step recomputes
+       activations), and boolean values many kernels read,
        such as an attention mask (``GPUOptions.store_shared_masks``);
     4. device arguments and constants moved to ``device``;
     5. on the CPU device, fp32 matrix products through oneDNN (``GPUOptions.cpu_matmul``);
@@ -261,11 +262,12 @@ def gpu_pipeline(
     transforms += embedding
     if fused:
         transforms.append(CutHostSplit())
-    if options.store_rng_masks:
+    recomputes = any(n.target is torch.ops.recir.recompute_barrier.default for n in step.graph.nodes)
+    if options.store_rng_masks or (options.store_rng_masks is None and recomputes):
         transforms.append(StoreRngMasks())
     if options.store_shared_masks:
         transforms.append(StoreSharedMasks())
-    if any(n.target is torch.ops.recir.recompute_barrier.default for n in step.graph.nodes):
+    if recomputes:
         transforms.append(ExpandRecomputeBarriers())
     transforms.append(RetargetDevices(device=str(device)))
     if _onednn_matmuls(options, device):

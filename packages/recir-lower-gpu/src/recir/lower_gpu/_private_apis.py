@@ -14,6 +14,9 @@ CHECKED = {"torch": ("2.9.1", "2.10.0", "2.11.0", "2.12.1")}  # oldest, the lock
 PRIVATE_APIS = (
     "torch._inductor.compile_fx:compile_fx",  # compile a StepGraph's GraphModule without Dynamo
     "torch._inductor.config",  # per-compile patches, cpp.threads
+    "torch._inductor.config:_pre_fusion_custom_pass",  # free_early
+    "torch._inductor.custom_graph_pass:CustomGraphPass",
+    "torch._inductor.dependencies:WeakDep",
     "torch._inductor.codecache:FxGraphCachePickler",  # stable cache keys across processes
     "torch._inductor.codecache:_ident",
     "torch._inductor.cpu_vec_isa:VecISA.check_build",  # the SIMD probe's on-disk memo
