@@ -57,6 +57,28 @@ def test_compiled_step_matches_eager_torch_optim_and_updates_in_place(mlp):
         torch.testing.assert_close(sd[f"optim:{name}:momentum_buffer"], buf, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def test_init_state_share_model_trains_the_model_itself(mlp):
+    model, step, compiled = mlp
+    shared = TinyMLP()
+    shared.load_state_dict(model.state_dict())
+    state = compiled.init_state(shared, None, share_model=True)
+    params = dict(shared.named_parameters())
+    sd = compiled.state_dict(state)
+    for name, p in params.items():  # the state is the model's storage, not a copy
+        assert sd[f"param:{name}"].data_ptr() == p.data_ptr(), name
+    assert sd["optim:fc1.weight:momentum_buffer"].abs().sum() == 0  # optimizer slots are fresh
+    copied = compiled.init_state(model, None)
+    for i in range(3):
+        state, _ = compiled(state, mlp_batch(i))
+        copied, _ = compiled(copied, mlp_batch(i))
+    for name, p in params.items():  # the model holds the trained values, the same as a copied state's
+        assert torch.equal(p.detach(), compiled.state_dict(copied)[f"param:{name}"]), name
+    assert not torch.equal(params["fc1.weight"].detach(), model.fc1.weight.detach())  # it trained
+    out_of_place = lg.compile(step, device="cpu", options=lg.GPUOptions(in_place=False, cache=False))
+    with pytest.raises(ConfigError, match=r"share_model=True\) needs GPUOptions\(in_place=True\)"):
+        out_of_place.init_state(shared, None, share_model=True)
+
+
 def test_load_state_dict_copies_and_resumes(mlp):
     model, step, compiled = mlp
     state = compiled.init_state(model, None)

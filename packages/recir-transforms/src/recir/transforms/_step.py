@@ -45,14 +45,20 @@ def param_buffer_initializer(
     slot: StateSlot, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> torch.Tensor | None:
     """The default initializer: ``param:<path>`` and ``buffer:<path>`` slots read the live module."""
+    value = _model_tensor(slot, model)
+    return None if value is None else value.clone()
+
+
+def _model_tensor(slot: StateSlot, model: nn.Module, optimizer: Any = None) -> torch.Tensor | None:
+    """The model's own (detached) tensor for a ``param:<path>`` or ``buffer:<path>`` slot, else None."""
     del optimizer
     if slot.kind not in ("param", "buffer"):
         return None
     name = parse_slot_name(slot.name)
     if name.kind == slot.kind == "param":
-        return model.get_parameter(str(name.path)).detach().clone()
+        return model.get_parameter(str(name.path)).detach()
     if name.kind == slot.kind == "buffer":
-        return model.get_buffer(str(name.path)).detach().clone()
+        return model.get_buffer(str(name.path)).detach()
     return None
 
 
@@ -122,10 +128,13 @@ class StepGraph:
 
     # -- state ------------------------------------------------------------------------------------
     def init_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, share_model: bool = False
     ) -> list[torch.Tensor]:
-        """The flat state list (signature order) from a live model and optimizer; never aliases them."""
-        chain = (*self.initializers, param_buffer_initializer)
+        """The flat state list (signature order) from a live model and optimizer; never aliases them, except
+        with ``share_model``: then the parameter and buffer slots are the model's own tensors (detached,
+        not copied), for a runner that updates state in place and so trains the model itself with no
+        second copy of its weights. Optimizer slots are fresh either way."""
+        chain = (*self.initializers, _model_tensor if share_model else param_buffer_initializer)
         state: list[torch.Tensor] = []
         for slot in self.signature.state:
             value = None
