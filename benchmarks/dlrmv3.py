@@ -133,27 +133,27 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float, str]:
-    """The reference loop's median ms/step at ``uih`` measured now (benchmarks/reference_dlrmv3.py on the
-    checkout ``--reference`` names), and a note for the row when it could not be measured."""
+def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float, float, str]:
+    """The reference loop's median ms/step and peak RSS (GiB) at ``uih`` and ``batch`` measured now
+    (benchmarks/reference_dlrmv3.py on the checkout ``--reference`` names), and a note for the row when it
+    could not be measured."""
     import pathlib
 
-    if batch != 16:
-        return math.nan, "the reference's debug config trains batch 16 only"
     here = pathlib.Path(__file__).parent
     root = pathlib.Path(args.reference)
     cmd = [sys.executable, str(here / "reference_dlrmv3.py"), "--gr_dir", str(root / "generative-recommenders"),
            "--deps_dir", str(root / "deps"), "--max_seq_len", str(uih + 2 + args.num_candidates),
            "--threads", str(args.threads), "--steps", str(args.rounds * args.steps + args.warmup),
-           "--warmup", str(args.warmup)]  # fmt: skip
+           "--warmup", str(args.warmup), "--batch_size", str(batch)]  # fmt: skip
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout or None)
     except subprocess.TimeoutExpired:
-        return math.nan, f"over --timeout {args.timeout} s"
+        return math.nan, math.nan, f"over --timeout {args.timeout} s"
     lines = [x for x in run.stdout.splitlines() if x.startswith("REF ")]
     if run.returncode != 0 or not lines:
-        return math.nan, " | ".join(run.stderr.strip().splitlines()[-3:])[-400:] or "no output"
-    return float(lines[-1].split("median_ms=")[1].split()[0]), ""
+        return math.nan, math.nan, " | ".join(run.stderr.strip().splitlines()[-3:])[-400:] or "no output"
+    fields = dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
+    return float(fields["median_ms"]), float(fields.get("peak_rss_gib", "nan")), ""
 
 
 def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str) -> list[str]:
@@ -231,7 +231,7 @@ def main() -> None:
         metavar="DIR",
         help="measure the reference loop (Meta's generative-recommenders) in this run at each configuration, "
         "from DIR as benchmarks/reference_setup.sh makes it (DIR/generative-recommenders, DIR/deps), and print "
-        "'vs ref' against that instead of the figures in docs/dlrmv3-reference.md (CPU, batch 16 only)",
+        "'vs ref' against that instead of the figures in docs/dlrmv3-reference.md (CPU only)",
     )
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--uih", type=int, default=64, help=argparse.SUPPRESS)
@@ -266,9 +266,15 @@ def main() -> None:
         like_for_like = args.threads == 2 and device == "cpu" and batch == PEERS.get(uih, (0,))[0]
         peer = peer if like_for_like else math.nan
         if args.reference and device == "cpu":
-            peer, why = _reference_ms(args, uih, batch)
+            peer, peak, why = _reference_ms(args, uih, batch)
             row = f"{uih:>5} {batch:>5} {'reference':>13} {'fp32':>5}"
-            print(f"{row}  failed: {why}" if why else f"{row} {'':>9} {'':>8} {peer:>9.1f}", flush=True)
+            samples = 1000 * batch / peer
+            print(
+                f"{row}  failed: {why}"
+                if why
+                else f"{row} {'':>9} {'':>8} {peer:>9.1f} {samples:>9.1f} {peak:>7.2f}",
+                flush=True,
+            )
         eager: dict[str, float] = {}
         for precision in args.precisions.split(","):
             for target in args.targets.split(","):

@@ -21,8 +21,10 @@ Model settings, as docs/dlrmv3-reference.md's figures were taken: the debug conf
 and the debug config leaves it), the three tables capped at `--table_rows` rows (10M upstream) and
 stored in fp32 (fp16 upstream; `--emb_dtype fp16`), `bf16_training=False` (upstream: bf16 autocast on
 CUDA), `HammerKernel.PYTORCH` kernels (upstream: Triton), and gin bindings on top of debug.gin:
-`train_loop.num_batches = --steps`, `train_loop.output_trace = False` (debug.gin turns on the torch
-profiler with CUDA activity), no checkpoint inside the run, tensorboard logs in a temporary folder.
+`train_loop.num_batches = --steps`, `make_train_test_dataloaders.batch_size = --batch_size` (debug.gin's
+is 16), `train_loop.output_trace = False` (debug.gin turns on the torch profiler with CUDA activity), no
+checkpoint inside the run, tensorboard logs in a temporary folder. The REF line also gives the process's
+peak resident set (`peak_rss_gib`, getrusage), what `benchmarks/dlrmv3.py` compares RSS against.
 `--seed` seeds torch; `--threads` (default 2) sets torch's thread count.
 
 Like for like with RecIR: the reference's max_seq_len counts the 2 contextual tokens and the 10
@@ -58,6 +60,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -97,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=(
             "Time Meta's generative-recommenders DLRMv3 reference train_loop on CPU (debug config, "
             "pure-PyTorch kernels, fp32), unmodified, with run-time patches instead of source edits. "
-            "Prints one line per step and a final 'REF max_seq_len=.. batch=.. median_ms=.. steps=..' line."
+            "Prints one line per step and a final 'REF max_seq_len=.. batch=.. median_ms=.. steps=.. peak_rss_gib=..' line."
         )
     )
     p.add_argument(
@@ -116,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=76,
         help="reference max_seq_len: UIH + 2 contextual + 10 candidates (default %(default)s = RecIR UIH 64)",
+    )
+    p.add_argument(
+        "--batch_size",
+        type=int,
+        default=16,
+        help="samples per step (make_train_test_dataloaders.batch_size; debug.gin's is 16) (default %(default)s)",
     )
     p.add_argument(
         "--steps", type=int, default=10, help="training steps, warm-up included (default %(default)s)"
@@ -368,6 +377,7 @@ def run(args: argparse.Namespace) -> float:
             [os.path.join(os.path.dirname(ref_utils.__file__), "gin", "debug.gin")],
             bindings=[
                 f"train_loop.num_batches = {args.steps}",
+                f"make_train_test_dataloaders.batch_size = {args.batch_size}",
                 "train_loop.output_trace = False",
                 f"train_loop.checkpoint_frequency = {args.steps + 1}",
                 f"MetricsLogger.tensorboard_log_path = {tb_dir!r}",
@@ -453,8 +463,10 @@ def run(args: argparse.Namespace) -> float:
         print(f"step {i}: step_ms={s:.1f} iter_ms={it:.1f}{tag}")
     timed = step_ms[args.warmup :]
     median = statistics.median(timed)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     print(
-        f"REF max_seq_len={args.max_seq_len} batch={train_loader.batch_size} median_ms={median:.1f} steps={len(timed)}",
+        f"REF max_seq_len={args.max_seq_len} batch={train_loader.batch_size} median_ms={median:.1f} "
+        f"steps={len(timed)} peak_rss_gib={peak_gib:.2f}",
         flush=True,
     )
     return median
