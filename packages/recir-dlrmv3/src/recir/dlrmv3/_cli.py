@@ -131,6 +131,14 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         "values and norms recomputed, matrix products kept) (default %(default)s)",
     )
     c.add_argument(
+        "--mask_padding",
+        action="store_true",
+        default=d["mask_padding"],
+        help="recir-embed-mask-padding on the captured step: marks the batch's jagged id features and zeroes "
+        "the padded positions of their unpooled lookups, forward and table gradient (DLRMv3's KJT lookups "
+        "already mask theirs: the start line says what it found)",
+    )
+    c.add_argument(
         "--pipeline_sparse",
         type=int,
         default=d["pipeline_sparse"],

@@ -32,6 +32,8 @@ class TrainOptions:
     embedding_backend: str | None = None
     precision: str = "fp32"
     recompute: str = "none"  # recir-recompute-activations: none | layers | auto (RECOMPUTE)
+    # recir-embed-mask-padding on the captured step (padded positions of jagged id features zeroed)
+    mask_padding: bool = False
     # recir-pipeline-sparse: stages of the software-pipelined step (0: off; 2: batch i+1's ids and sparse
     # inputs computed and sent during batch i's step)
     pipeline_sparse: int = 0
@@ -164,6 +166,11 @@ class TrainOptions:
             raise config_error(
                 f"--recompute {self.recompute} rewrites the captured step; --target eager has none. Fix: "
                 "--target gpu, tpu or eager-graph, or --recompute none."
+            )
+        if self.mask_padding and self.target == "eager":
+            raise config_error(
+                "--mask_padding rewrites the captured step; --target eager has none. Fix: --target gpu, tpu "
+                "or eager-graph, or leave --mask_padding out."
             )
         stages = self.pipeline_sparse
         if isinstance(stages, bool) or not isinstance(stages, int) or (stages != 0 and stages < 2):

@@ -116,6 +116,7 @@ def run_parity(
         compile_options=gpu_options(opts),
         recompute=opts.recompute,
         token_buckets=data.token_buckets,
+        mask_padding=opts.mask_padding,
     )
     rows: list[ParityRow] = []
     log(f"parity: eager vs {compiled.description}, {steps} steps, atol {atol:g}")

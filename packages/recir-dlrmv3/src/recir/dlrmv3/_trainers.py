@@ -152,6 +152,7 @@ class CompiledTrainer:
         recompute: str = "none",
         state: Any = None,
         pipeline_sparse: int = 0,
+        mask_padding: bool = False,
     ) -> None:
         """`state`: another trainer's (same slots) to continue from instead of the model's.
         `pipeline_sparse` >= 2: recir-pipeline-sparse with that many stages; :meth:`step` then also takes
@@ -173,13 +174,18 @@ class CompiledTrainer:
         opt: Any = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         model.train()
         started = time.perf_counter()
-        rewrites = step_pipeline(precision, recompute)
+        rewrites = step_pipeline(precision, recompute, mask_padding)
         self.graph = rewrites.run(capture_train_step(model, opt, loss_fn, example, overrides=overrides()))
         recomputed = "".join(
             f", --recompute {recompute}: {r.stats['regions']} region(s), interpreter peak "
             f"{r.stats['peak_bytes_before'] / 2**20:.0f} -> {r.stats['peak_bytes_after'] / 2**20:.0f} MiB"
             for r in rewrites.records
             if r.name == "recir-recompute-activations"
+        ) + "".join(
+            f", --mask_padding: {r.stats['features']} jagged feature(s), {r.stats['masked']} lookup(s) masked"
+            + ("" if r.stats["masked"] else " (the KJT path already masks its padding)")
+            for r in rewrites.records
+            if r.name == "recir-embed-mask-padding"
         )
         self.plan: Any = None  # the recir.distributed plan of a distributed run
         self.checkpoint_plan = None  # the plan state_dict()'s shards follow (None: global tensors)
@@ -401,17 +407,21 @@ def _rows(batch: Batch) -> int:
     return int(batch.token_index.shape[0])
 
 
-def step_pipeline(precision: str, recompute: str = "none") -> Any:
-    """The StepGraph rewrites `--precision` and `--recompute` ask for: bf16 matrix products (fp32 master
-    weights and optimizer state) for bf16; the STU layers' activations recomputed in the backward
-    (`layers`), or the cheap values of every module (`auto`)."""
+def step_pipeline(precision: str, recompute: str = "none", mask_padding: bool = False) -> Any:
+    """The StepGraph rewrites `--mask_padding`, `--precision` and `--recompute` ask for: padded positions of
+    jagged id features zeroed in their unpooled lookups (recir-embed-mask-padding); bf16 matrix products
+    (fp32 master weights and optimizer state) for bf16; the STU layers' activations recomputed in the
+    backward (`layers`), or the cheap values of every module (`auto`)."""
+    from recir.embedding import MaskPadding
     from recir.transforms import MixedPrecision, Pipeline, Recompute
 
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown --precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
         raise ConfigError(f"unknown --recompute {recompute!r}; expected one of {', '.join(RECOMPUTE)}")
-    transforms: list[Any] = [MixedPrecision(compute_dtype="bfloat16")] if precision == "bf16" else []
+    transforms: list[Any] = [MaskPadding()] if mask_padding else []
+    if precision == "bf16":
+        transforms.append(MixedPrecision(compute_dtype="bfloat16"))
     if recompute == "layers":
         transforms.append(Recompute(policy="regions", modules=("layers.*",)))
     elif recompute == "auto":
@@ -446,6 +456,7 @@ def make_trainer(
     recompute: str = "none",
     token_buckets: Sequence[int] = (),
     pipeline_sparse: int = 0,
+    mask_padding: bool = False,
 ) -> Trainer:
     """`eager`, or the captured step on `target` (CompiledTrainer: `parallel` other than `none` on the GPU
     path trains this rank's program, `example` then this rank's batch). `device` places the eager trainer
@@ -457,12 +468,28 @@ def make_trainer(
     parallel = "dp" if mesh is not None and parallel == "none" else parallel  # a mesh alone: data parallel
     args = (embedding_backend, mesh, parallel, precision, compile_options, table_sharding, hbm_budget_gib)
     first = CompiledTrainer(
-        model, optimizers, example, target, *args, recompute=recompute, pipeline_sparse=pipeline_sparse
+        model,
+        optimizers,
+        example,
+        target,
+        *args,
+        recompute=recompute,
+        pipeline_sparse=pipeline_sparse,
+        mask_padding=mask_padding,
     )
     if len(token_buckets) < 2:
         return first
 
     def make(batch: Batch, state: Any) -> CompiledTrainer:
-        return CompiledTrainer(model, optimizers, batch, target, *args, recompute=recompute, state=state)
+        return CompiledTrainer(
+            model,
+            optimizers,
+            batch,
+            target,
+            *args,
+            recompute=recompute,
+            state=state,
+            mask_padding=mask_padding,
+        )
 
     return BucketedTrainer(first, _rows(example), make, len(token_buckets))
