@@ -21,16 +21,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-_UUID = "recir-gpu-free-early-v1"
+# Imported only by GPUOptions.inductor_patches, so Inductor's scheduler modules load with the compile.
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.dependencies import WeakDep
+from torch.utils._ordered_set import OrderedSet
 
 
-def _custom_graph_pass_base() -> type:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    return CustomGraphPass
-
-
-class FreeEarly(_custom_graph_pass_base()):  # type: ignore[misc]
+class FreeEarly(CustomGraphPass):
     """An Inductor ``_pre_fusion_custom_pass``: mutation-ordering dependencies stop extending lifetimes.
 
     A ``CustomGraphPass`` with a fixed ``uuid``, so Inductor's FX graph cache keys it (a plain callable
@@ -43,24 +40,17 @@ class FreeEarly(_custom_graph_pass_base()):  # type: ignore[misc]
         return nodes
 
     def uuid(self) -> str:
-        return _UUID
+        return "recir-gpu-free-early-v1"
 
 
 def _order_only(snode: Any) -> None:
-    from torch._inductor.dependencies import WeakDep
-
     swap = {
         dep: dataclasses.replace(dep, is_fake=True)
         for dep in snode.read_writes.reads
         if isinstance(dep, WeakDep) and not dep.is_fake and dep.mutating_buf
     }
-    if not swap:
-        return
-    snode.read_writes = snode.read_writes.remove_reads(_ordered(swap)).with_read(_ordered(swap.values()))
-    snode.unmet_dependencies = _ordered(swap.get(d, d) for d in snode.unmet_dependencies)
-
-
-def _ordered(deps: Any) -> Any:
-    from torch.utils._ordered_set import OrderedSet
-
-    return OrderedSet(deps)
+    if swap:
+        snode.read_writes = snode.read_writes.remove_reads(OrderedSet(swap)).with_read(
+            OrderedSet(swap.values())
+        )
+        snode.unmet_dependencies = OrderedSet(swap.get(d, d) for d in snode.unmet_dependencies)
