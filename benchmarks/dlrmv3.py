@@ -224,7 +224,6 @@ def main() -> None:
     p.add_argument(
         "--timeout", type=float, default=0, help="seconds per row (0: none); a row over it prints 'failed'"
     )
-    # one measurement in this process (what the parent runs per row)
     p.add_argument(
         "--reference",
         default=None,
@@ -233,6 +232,7 @@ def main() -> None:
         "from DIR as benchmarks/reference_setup.sh makes it (DIR/generative-recommenders, DIR/deps), and print "
         "'vs ref' against that instead of the figures in docs/dlrmv3-reference.md (CPU only)",
     )
+    # one measurement in this process (what the parent runs per row)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--uih", type=int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--target", default="tpu", help=argparse.SUPPRESS)

@@ -9,6 +9,7 @@ import torch.fx.experimental.proxy_tensor
 import torch.nn.functional as F
 from recir.dlrmv3._layers import (
     STULayer,
+    TargetAwareMask,
     attention_mask,
     position_ids,
     time_buckets,
@@ -122,6 +123,36 @@ def test_dlrmv3_blocked_attention_equals_dense_with_gradients():
         torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_dlrmv3_factored_mask_equals_the_dense_mask_with_gradients():
+    # TargetAwareMask (what DLRMv3.forward passes) computes without a [B, N, N] mask: same values and
+    # gradients as its dense form, for padded history, padded candidates, an empty history and row blocks.
+    torch.manual_seed(0)
+    lengths, ncand = torch.tensor([9, 4, 0]), torch.tensor([3, 1, 2])
+    factored = TargetAwareMask(valid_tokens(2, 9, lengths, ncand, 3), prefix=2 + 9)
+    dense = factored.dense()
+    assert torch.equal(dense, attention_mask(factored.valid, token_order(2, 9, 3)))
+    x = torch.randn(3, 14, 8, dtype=torch.float64, requires_grad=True)
+    layer = STULayer(dim=8, num_heads=2, head_dim=4, dropout=0.0).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    ref_out = layer(x, dense, torch.tensor(14))
+    ref_grads = torch.autograd.grad(ref_out.square().sum(), [x, *layer.parameters()])
+    for blocks in (1, 2, 3, 14):
+        layer.attention_blocks = blocks
+        out = layer(x, factored, torch.tensor(14))
+        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    # no [B, N, N] tensor in the traced attention: the scores are [B, H, N, prefix]
+    q = k = v = torch.zeros(3, 2, 14, 4)
+    graph = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda q, k, v, valid, n: STULayer(8, 2, 4, 0.0).attention(q, k, v, TargetAwareMask(valid, 11), n)
+    )(q, k, v, factored.valid, torch.tensor(14))
+    shapes = {tuple(n.meta["val"].shape) for n in graph.graph.nodes if "val" in n.meta}
+    assert (3, 2, 14, 11) in shapes and not any(s[-2:] == (14, 14) for s in shapes)
 
 
 def test_dlrmv3_attention_blocks_automatic_and_checked():

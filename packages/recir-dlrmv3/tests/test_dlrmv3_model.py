@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from _dlrmv3_workers import random_samples
 from recir.dlrmv3 import DLRMv3, ModelConfig, collate, dataset_spec, loss_fn
+from recir.dlrmv3._layers import STULayer
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -193,3 +194,39 @@ def test_dlrmv3_packed_tokens_equal_the_padded_layout_with_gradients():
         for name, g in grads.items():
             torch.testing.assert_close(g, results[0][2][name], atol=1e-12, rtol=1e-12, msg=name)
     assert float(results[1][2]["layers.1.uvqk.weight"].abs().sum()) > 0
+
+
+@pytest.mark.parametrize("token_budget", [None, "real"])
+def test_dlrmv3_factored_and_dense_masks_train_the_same(monkeypatch, token_budget):
+    # DLRMv3.FACTORED_MASK_FROM picks the STU mask's form by the candidates' share of the slots; both
+    # forms give the same loss, logits and every gradient (float64, padded and packed layouts).
+    model, rows = _model(uih_len=6, num_candidates=3, input_dropout=0.0, layer_dropout=0.0)
+    samples = random_samples(4, seed=7)
+    padded = collate(samples, model.spec, 6, 3, rows)
+    real = int(padded.uih_lengths.sum() + padded.num_candidates.sum()) + 4 * len(model.spec.contextual)
+    batch = collate(samples, model.spec, 6, 3, rows, token_budget=real if token_budget else None)
+    model.ec = _StaticEmbeddingStandIn(model, 4, 6, 3)  # type: ignore[assignment]
+    model = model.double()
+    seen: list[str] = []
+    attention = STULayer.attention
+
+    def spy(self, q, k, v, mask, max_len):  # type: ignore[no-untyped-def]
+        seen.append(type(mask).__name__)
+        return attention(self, q, k, v, mask, max_len)
+
+    monkeypatch.setattr(STULayer, "attention", spy)
+    results = []
+    for share in (0.0, 1.0):  # 3 candidates of 9 + contextual slots: factored, then dense
+        monkeypatch.setattr(DLRMv3, "FACTORED_MASK_FROM", share)
+        model.zero_grad()
+        loss, logits = loss_fn(model, batch)
+        loss.backward()
+        results.append(
+            (loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        )
+    assert seen == ["TargetAwareMask"] * 2 + ["Tensor"] * 2
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-12, rtol=1e-12)
+    for name, g in results[0][2].items():
+        torch.testing.assert_close(g, results[1][2][name], atol=1e-12, rtol=1e-12, msg=name)
+    assert float(results[0][2]["layers.1.uvqk.weight"].abs().sum()) > 0

@@ -8,6 +8,7 @@ it in fake mode (no `.item()`, no data-dependent Python branches).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,6 +88,24 @@ def attention_mask(valid: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return causal[None] & valid[:, :, None] & valid[:, None, :]
 
 
+@dataclass(frozen=True)
+class TargetAwareMask:
+    """`attention_mask(valid, order)` in factored form, for the order `token_order` builds: slots
+    `[0, prefix)` (contextual and history) see strictly earlier slots, every later slot (a candidate)
+    sees the whole prefix, each token sees itself, padded tokens (`valid` [B, N] False) see and are seen
+    by nothing. `STULayer.attention` computes with it without a `[B, N, N]` mask: scores only against the
+    prefix's keys, the causal part from slot indices, each token's own score apart. The contextual and
+    history slots must be valid as a prefix of `[0, prefix)` (as `valid_tokens` makes them)."""
+
+    valid: torch.Tensor
+    prefix: int
+
+    def dense(self) -> torch.Tensor:
+        """The same mask as `[B, N, N]` bool (`attention_mask`)."""
+        n = self.valid.shape[1]
+        return attention_mask(self.valid, torch.clamp(torch.arange(n), max=self.prefix))
+
+
 def position_ids(num_contextual: int, uih_len: int, num_candidates: int, uih_lengths: torch.Tensor,
                  num_buckets: int) -> torch.Tensor:  # fmt: skip
     """[B, N] positions: contextual j -> j; UIH slot i -> C + (len - i) (distance from the end of
@@ -143,12 +162,12 @@ class STULayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | TargetAwareMask,
         max_len: torch.Tensor,
         packed: tuple[torch.Tensor, tuple[int, int]] | None = None,
     ) -> torch.Tensor:
-        """x [B, N, D], mask [B, N, N] bool and causal (no query sees a later slot, as `attention_mask`
-        builds it), max_len: 0-d tensor (the batch's longest sequence). `packed` = (index, (B, N)): x
+        """x [B, N, D], mask: a `TargetAwareMask` or [B, N, N] bool and causal (no query sees a later
+        slot, as `attention_mask` builds it), max_len: 0-d tensor (the batch's longest sequence). `packed` = (index, (B, N)): x
         holds packed rows, see `forward_packed` (called through here, so module hooks and capture's
         module scopes see the layer)."""
         if packed is not None:
@@ -161,7 +180,7 @@ class STULayer(nn.Module):
         x: torch.Tensor,
         index: torch.Tensor,
         shape: tuple[int, int],
-        mask: torch.Tensor,
+        mask: torch.Tensor | TargetAwareMask,
         max_len: torch.Tensor,
     ) -> torch.Tensor:
         """The layer on packed rows: x [T, D] holds the slots `index` [T] (sorted, distinct; every real
@@ -184,7 +203,12 @@ class STULayer(nn.Module):
         return self._residual(x, u, attn.reshape(-1, H * A))
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, max_len: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | TargetAwareMask,
+        max_len: torch.Tensor,
     ) -> torch.Tensor:
         """silu(alpha q k^T) / max_len, masked, times v: [B, H, N, A].
 
@@ -193,19 +217,51 @@ class STULayer(nn.Module):
         dense N x N (3/4 with two). The keys left out are masked to exact zeros, so the values are the
         dense formulation's up to summation order. Automatic (None): two blocks from `BLOCKED_FROM`
         slots (full-size layer at UIH 1024, batch 4, fwd + bwd under Inductor on a 2-core CPU: 753 ms
-        dense, 492 with two blocks, 611 with four; at UIH 256 two blocks gain nothing), else dense."""
+        dense, 492 with two blocks, 611 with four; at UIH 256 two blocks gain nothing), else dense.
+
+        A `TargetAwareMask` (what `DLRMv3.forward` passes) is applied without building `[B, N, N]`:
+        scores against the prefix's keys only (candidates' keys are seen by their own token alone),
+        padded keys zeroed (SiLU(0) = 0), the causal part `key < query` from slot indices, each token's
+        own score added as a `[B, H, N]` term, padded query rows zeroed at the end. Equal to the dense
+        mask's values up to summation order, with fewer products and no mask loads (UIH 128 with 64
+        candidates, serving: the score tensor is 2/3 of N x N)."""
         n = q.shape[2]
         blocks = self.attention_blocks or (2 if n >= self.BLOCKED_FROM else 1)
         scale = max_len.to(q.dtype)
+        bounds = [n * i // blocks for i in range(blocks + 1)]
+        if isinstance(mask, TargetAwareMask):
+            return self._factored_attention(q, k, v, mask, scale, bounds)
         if blocks == 1:
             scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / scale
             return (scores * mask[:, None].to(q.dtype)) @ v
-        bounds = [n * i // blocks for i in range(blocks + 1)]
         outs = []
         for r0, r1 in zip(bounds[:-1], bounds[1:]):
             scores = F.silu(self.alpha * (q[:, :, r0:r1] @ k[:, :, :r1].transpose(-1, -2))) / scale
             outs.append((scores * mask[:, None, r0:r1, :r1].to(q.dtype)) @ v[:, :, :r1])
         return torch.cat(outs, dim=2)
+
+    def _factored_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: TargetAwareMask,
+        scale: torch.Tensor,
+        bounds: list[int],
+    ) -> torch.Tensor:
+        p = mask.prefix
+        keep = mask.valid[:, None, :, None].to(q.dtype)  # [B, 1, N, 1]
+        keys = k[:, :, :p] * keep[:, :, :p]  # a padded key scores SiLU(0) = 0
+        own = F.silu(self.alpha * (q * k).sum(dim=-1, keepdim=True)) / scale  # [B, H, N, 1]
+        outs = []
+        for r0, r1 in zip(bounds[:-1], bounds[1:]):
+            c = min(r1, p)  # the prefix keys a row of this block can see (strictly earlier slots)
+            scores = F.silu(self.alpha * (q[:, :, r0:r1] @ keys[:, :, :c].transpose(-1, -2))) / scale
+            rows = torch.arange(r0, r1, device=q.device)[:, None]
+            earlier = torch.arange(c, device=q.device)[None, :] < rows
+            outs.append((scores * earlier.to(q.dtype)) @ v[:, :, :c])
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return (attn + own * v) * keep
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, N, D] -> u [B, N, H*A] (after SiLU) and q, k, v [B, H, N, A]."""

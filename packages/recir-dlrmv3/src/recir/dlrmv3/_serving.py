@@ -23,7 +23,7 @@ from recir.transforms import ConfigError
 from torch import nn
 
 from ._batch import Batch
-from ._layers import attention_mask, position_ids, time_buckets, time_features, token_order, valid_tokens
+from ._layers import TargetAwareMask, position_ids, time_buckets, time_features, valid_tokens
 from ._model import DLRMv3
 
 
@@ -131,7 +131,7 @@ class HistoryEncoder(nn.Module):
         valid = valid_tokens(n_ctx, L, uih_lengths, no_candidates, 0)
         keep = valid[:, None, :, None].to(x.dtype)  # [B, 1, T, 1]
         x = x * valid[..., None].to(x.dtype)
-        mask = attention_mask(valid, token_order(n_ctx, L, 0))
+        mask = TargetAwareMask(valid, prefix=n_ctx + L)
         norm = max_seq_len[:, None, None, None].to(x.dtype)
         keys, values = [], []
         for i, layer in enumerate(m.layers):
@@ -139,9 +139,7 @@ class HistoryEncoder(nn.Module):
             keys.append(k * keep)
             values.append(v * keep)
             if i + 1 < len(m.layers):  # the last layer's history outputs feed nothing
-                scores = F.silu(layer.alpha * (q @ k.transpose(-1, -2))) / norm
-                scores = scores * mask[:, None].to(x.dtype)
-                x = layer.combine(x, u, scores @ v)
+                x = layer.combine(x, u, layer.attention(q, k, v, mask, norm))
         return torch.stack(keys, dim=1), torch.stack(values, dim=1), query_time, max_seq_len
 
 
@@ -165,8 +163,8 @@ class CandidateScorer(nn.Module):
         B, C = cand_ids.shape
         n_ctx = len(m.spec.contextual)
         cand_e = F.embedding(cand_ids, _table(m, m.spec.item_feature))
-        target = m.action_encoder.target.expand(B, C, -1)
-        x = m.content_mlp(cand_e) + m.action_mlp(target)
+        # every candidate carries the same target-action vector: its MLP runs once, then broadcasts
+        x = m.content_mlp(cand_e) + m.action_mlp(m.action_encoder.target[None, None, :])
         # every candidate sits at position n_ctx with the query time as its timestamp
         pos = position_ids(n_ctx, 0, C, query_time.new_zeros(B), cfg.num_position_buckets)[:, n_ctx:]
         tb = time_buckets(query_time, query_time[:, None].expand(B, C), cfg.num_time_buckets)
