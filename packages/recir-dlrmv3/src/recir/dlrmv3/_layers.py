@@ -167,9 +167,9 @@ class STULayer(nn.Module):
         packed: tuple[torch.Tensor, tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         """x [B, N, D], mask: a `TargetAwareMask` or [B, N, N] bool and causal (no query sees a later
-        slot, as `attention_mask` builds it), max_len: 0-d tensor (the batch's longest sequence). `packed` = (index, (B, N)): x
-        holds packed rows, see `forward_packed` (called through here, so module hooks and capture's
-        module scopes see the layer)."""
+        slot, as `attention_mask` builds it), max_len: 0-d tensor (the batch's longest sequence).
+        `packed` = (index, (B, N)): x holds packed rows, see `forward_packed` (called through here, so
+        module hooks and capture's module scopes see the layer)."""
         if packed is not None:
             return self.forward_packed(x, packed[0], packed[1], mask, max_len)
         u, q, k, v = self.project(x)
