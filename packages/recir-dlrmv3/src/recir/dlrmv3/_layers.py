@@ -103,7 +103,7 @@ class TargetAwareMask:
     def dense(self) -> torch.Tensor:
         """The same mask as `[B, N, N]` bool (`attention_mask`)."""
         n = self.valid.shape[1]
-        return attention_mask(self.valid, torch.clamp(torch.arange(n), max=self.prefix))
+        return attention_mask(self.valid, token_order(0, self.prefix, n - self.prefix))
 
 
 def position_ids(num_contextual: int, uih_len: int, num_candidates: int, uih_lengths: torch.Tensor,
