@@ -156,10 +156,10 @@ def _has_cuda() -> bool:
 
 @nox.session(python=PYTHON)
 def cpu(session: nox.Session) -> None:
-    """Every package's CPU tests (the TPU path runs on JAX's CPU backend with one device)."""
+    """Every package's CPU tests but the `tpu`-marked ones, which the `tpu` session runs (on 8 host devices)."""
     _sync(session)
     env = {**BASE_ENV, "JAX_PLATFORMS": "cpu"}
-    session.run("pytest", "packages", "-m", "not gpu", *session.posargs, env=env)
+    session.run("pytest", "packages", "-m", "not gpu and not tpu", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON)
