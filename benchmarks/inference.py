@@ -79,7 +79,7 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     from recir.embedding import overrides
     from recir.lower_gpu import export as gpu_export
     from recir.lower_tpu import compile as tpu_compile
-    from recir.transforms import to_inference
+    from recir.transforms import MixedPrecision, Pipeline, to_inference
 
     opts = TrainOptions(
         target="eager",
@@ -132,6 +132,29 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
             ]
             call = lambda: jax.block_until_ready(exp.call(jbatch))  # noqa: E731
             rows.append(("TPU path jax.export, full sequence", time_it(call), delta(exp.call(jbatch)[0])))
+    if args.bf16:  # the serving graph's products on bf16 copies (recir-dlrmv3 export --precision bf16)
+        low = Pipeline([MixedPrecision(compute_dtype="bfloat16", phases=("forward",))], name="serving")
+        served16 = low.run(to_inference(step))
+        if "gpu" in args.paths:
+            path = work / f"full.{B}.bf16.pt2"
+            gpu_export(served16, path, baked_state=tensors)
+            package16 = torch._inductor.aoti_load_package(str(path))
+            with torch.no_grad():
+                ms = time_it(lambda: package16(*flat))
+                rows.append(("GPU path .pt2 bf16, full sequence", ms, delta(package16(*flat)[-1])))
+        if "tpu" in args.paths:
+            path = work / f"full.{B}.bf16.jax"
+            manifest = tpu_compile(served16).export(path, baked_state=tensors)
+            exp16 = jax_export.deserialize(bytearray(path.read_bytes()))
+            with jax.enable_x64(bool(manifest["x64"])):
+                jbatch = [
+                    jax.numpy.asarray(np.asarray(t).astype(b["dtype"]))
+                    for t, b in zip(flat, manifest["batch"])
+                ]
+                call = lambda: jax.block_until_ready(exp16.call(jbatch))  # noqa: E731
+                rows.append(
+                    ("TPU path jax.export bf16, full sequence", time_it(call), delta(exp16.call(jbatch)[0]))
+                )
 
     # Cached history: eager modules, then the two artifacts of each stack.
     encode, score = HistoryEncoder(model), CandidateScorer(model)
@@ -187,6 +210,11 @@ def main() -> None:
     )
     p.add_argument(
         "--min_seconds", type=float, default=0.5, help="length of one timed round (default %(default)s)"
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also time full-sequence artifacts with bf16 matrix products (export --precision bf16)",
     )
     p.add_argument("--workdir", default=None, help="where the artifacts go (default: a temporary directory)")
     args = p.parse_args()

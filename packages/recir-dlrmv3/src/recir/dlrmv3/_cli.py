@@ -324,6 +324,13 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
         help="store the embedding tables int8 (row-wise scale and bias, as FBGEMM) or fp16 (default %(default)s)",
     )
     ex.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: the matrix products on bf16 copies of their operands (recir-mixed-precision; parameters "
+        "and every other op stay fp32); --serving full only (default %(default)s)",
+    )
+    ex.add_argument(
         "--bake", action="store_true", help="compile the parameters into the artifact (no OUT.state.npz)"
     )
     ex.add_argument(
@@ -421,6 +428,7 @@ def _run(args: argparse.Namespace) -> int:
                     bake=args.bake,
                     serving=args.serving,
                     candidates=args.candidates,
+                    precision=args.precision,
                 )
             elif args.num_batches < 1:
                 print(f"error: --num_batches must be >= 1, got {args.num_batches}", file=sys.stderr)

@@ -5,8 +5,9 @@ training step, turns it into the serving graph (`recir.transforms.to_inference`:
 no dropout) and writes an AOTInductor package (`--target gpu`, runs with torch alone) or a `jax.export`
 artifact (`--target tpu`, runs with JAX alone), the manifest beside it and the parameters as
 `<out>.state.npz` (or, `--bake`, inside the artifact as constants). `--quantize int8|fp16` stores the
-embedding tables row-wise quantised (recir-embed-quantize-tables). `predict` runs such an artifact over a
-dataset's eval batches and prints the metrics `train` prints.
+embedding tables row-wise quantised (recir-embed-quantize-tables); `--precision bf16` runs the matrix
+products on bf16 copies of their operands (recir-mixed-precision on the serving graph). `predict` runs
+such an artifact over a dataset's eval batches and prints the metrics `train` prints.
 """
 
 from __future__ import annotations
@@ -45,17 +46,20 @@ def export_model(
     bake: bool = False,
     serving: str = "full",
     candidates: int | None = None,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest.
 
     `quantize`: `"int8"` or `"fp16"` embedding tables (None: float32 as trained); `bake`: the parameters
     compiled into the artifact (no `.state.npz`). `serving="cached-history"`: two artifacts instead,
     `out.history` and `out.candidates` (`_serving_export`), the parameters baked, each user scored
-    against `candidates` candidates (default: the trained `--num_candidates`; any count on the GPU stack)."""
+    against `candidates` candidates (default: the trained `--num_candidates`; any count on the GPU stack).
+    `precision="bf16"`: the serving graph's matrix products on bf16 copies of their fp32 operands, results
+    back in fp32 (`recir-mixed-precision`, forward phase); parameters stay fp32."""
     from recir.capture import capture_train_step, load_into
     from recir.distributed import write_atomically
     from recir.embedding import QUANT_DTYPES, QuantizeTables, overrides
-    from recir.transforms import Pipeline, to_inference
+    from recir.transforms import MixedPrecision, Pipeline, to_inference
 
     from ._checkpoint import load_checkpoint
     from ._model import loss_fn
@@ -68,6 +72,13 @@ def export_model(
     quantize = None if quantize == "none" else quantize
     if serving not in ("full", "cached-history"):
         raise ConfigError(f"--serving must be full or cached-history, got {serving!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError(f"--precision must be fp32 or bf16 for export, got {precision!r}")
+    if serving == "cached-history" and precision != "fp32":
+        raise ConfigError(
+            "--serving cached-history exports fp32 artifacts; --precision bf16 applies to --serving full "
+            "only. Fix: drop --precision, or export --serving full"
+        )
     if serving == "cached-history" and quantize is not None:
         raise ConfigError(
             "--serving cached-history reads float32 tables; --quantize applies to --serving full only. "
@@ -95,14 +106,23 @@ def export_model(
     log(f"export: {checkpoint} (step {meta.get('step')}) for --target {target}")
     step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
     served = to_inference(step)  # aux.0: the multitask logits
-    if quantize is not None:
-        pipeline = Pipeline([QuantizeTables(dtype=quantize)], name="serving")
+    transforms: list[Any] = [] if quantize is None else [QuantizeTables(dtype=quantize)]
+    if precision == "bf16":
+        transforms.append(MixedPrecision(compute_dtype="bfloat16", phases=("forward",)))
+    stats: dict[str, Any] = {}
+    if transforms:
+        pipeline = Pipeline(transforms, name="serving")
         served = pipeline.run(served)
-        stats = pipeline.records[-1].stats
+        stats = {r.name: r.stats for r in pipeline.records}
+    if quantize is not None:
+        q = stats[QuantizeTables.name]
         log(
-            f"export: {stats.get('tables', 0)} table(s) stored {quantize}: {stats.get('table_bytes', 0)} -> "
-            f"{stats.get('quantized_bytes', 0)} bytes"
+            f"export: {q.get('tables', 0)} table(s) stored {quantize}: {q.get('table_bytes', 0)} -> "
+            f"{q.get('quantized_bytes', 0)} bytes"
         )
+    if precision == "bf16":
+        mp = stats[MixedPrecision.name]
+        log(f"export: {mp.get('matmuls', 0)} matrix product(s) in bf16 ({mp.get('casts', 0)} casts)")
     tensors = served.init_state(model, optimizers)
     out_path = Path(out)
     state_file = Path(f"{out_path}.state.npz")
@@ -119,6 +139,7 @@ def export_model(
             "checkpoint": str(checkpoint),
             "step": meta.get("step"),
             "quantize": quantize or "none",
+            "precision": precision,
             "bake": bake,
             "options": dataclasses.asdict(opts),
         },
