@@ -111,50 +111,34 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     step = capture_train_step(model, optimizers, loss_fn, batch, overrides=overrides())
     served = to_inference(step)
     tensors = served.init_state(model, optimizers)
+    graphs = [("", served)]
+    if args.bf16:  # the serving graph's products on bf16 copies (recir-dlrmv3 export --precision bf16)
+        low = Pipeline([MixedPrecision(compute_dtype="bfloat16", phases=("forward",))], name="serving")
+        graphs.append((" bf16", low.run(to_inference(step))))
     model.eval()
     with torch.no_grad():
         expected = model(batch)
         rows.append(("eager eval(), full sequence", time_it(lambda: model(batch)), 0.0))
+    for tag, graph in graphs:
+        stem = f"full.{B}{tag.replace(' ', '.')}"
         if "gpu" in args.paths:
-            path = work / f"full.{B}.pt2"
-            gpu_export(served, path, baked_state=tensors)
+            path = work / f"{stem}.pt2"
+            gpu_export(graph, path, baked_state=tensors)
             package = torch._inductor.aoti_load_package(str(path))
-            rows.append(
-                ("GPU path .pt2, full sequence", time_it(lambda: package(*flat)), delta(package(*flat)[-1]))
-            )
-    if "tpu" in args.paths:
-        path = work / f"full.{B}.jax"
-        manifest = tpu_compile(served).export(path, baked_state=tensors)
-        exp = jax_export.deserialize(bytearray(path.read_bytes()))
-        with jax.enable_x64(bool(manifest["x64"])):
-            jbatch = [
-                jax.numpy.asarray(np.asarray(t).astype(b["dtype"])) for t, b in zip(flat, manifest["batch"])
-            ]
-            call = lambda: jax.block_until_ready(exp.call(jbatch))  # noqa: E731
-            rows.append(("TPU path jax.export, full sequence", time_it(call), delta(exp.call(jbatch)[0])))
-    if args.bf16:  # the serving graph's products on bf16 copies (recir-dlrmv3 export --precision bf16)
-        low = Pipeline([MixedPrecision(compute_dtype="bfloat16", phases=("forward",))], name="serving")
-        served16 = low.run(to_inference(step))
-        if "gpu" in args.paths:
-            path = work / f"full.{B}.bf16.pt2"
-            gpu_export(served16, path, baked_state=tensors)
-            package16 = torch._inductor.aoti_load_package(str(path))
             with torch.no_grad():
-                ms = time_it(lambda: package16(*flat))
-                rows.append(("GPU path .pt2 bf16, full sequence", ms, delta(package16(*flat)[-1])))
+                ms = time_it(lambda: package(*flat))  # noqa: B023 (called before the next iteration)
+                rows.append((f"GPU path .pt2{tag}, full sequence", ms, delta(package(*flat)[-1])))
         if "tpu" in args.paths:
-            path = work / f"full.{B}.bf16.jax"
-            manifest = tpu_compile(served16).export(path, baked_state=tensors)
-            exp16 = jax_export.deserialize(bytearray(path.read_bytes()))
+            path = work / f"{stem}.jax"
+            manifest = tpu_compile(graph).export(path, baked_state=tensors)
+            exp = jax_export.deserialize(bytearray(path.read_bytes()))
             with jax.enable_x64(bool(manifest["x64"])):
                 jbatch = [
                     jax.numpy.asarray(np.asarray(t).astype(b["dtype"]))
                     for t, b in zip(flat, manifest["batch"])
                 ]
-                call = lambda: jax.block_until_ready(exp16.call(jbatch))  # noqa: E731
-                rows.append(
-                    ("TPU path jax.export bf16, full sequence", time_it(call), delta(exp16.call(jbatch)[0]))
-                )
+                ms = time_it(lambda: jax.block_until_ready(exp.call(jbatch)))  # noqa: B023
+                rows.append((f"TPU path jax.export{tag}, full sequence", ms, delta(exp.call(jbatch)[0])))
 
     # Cached history: eager modules, then the two artifacts of each stack.
     encode, score = HistoryEncoder(model), CandidateScorer(model)
