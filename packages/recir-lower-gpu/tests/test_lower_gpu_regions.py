@@ -169,3 +169,25 @@ def test_repeated_regions_with_bf16_compute_stay_within_bf16_noise(lower_gpu_cac
             # fp32 inside one fused kernel are stored at piece boundaries), at most 5.3e-2 (a bias that
             # starts at zero); a wrong piece (dropout offsets, table rows) is off by O(1)
             assert pieces <= max(2 * whole, 6e-2), (name, whole, pieces)
+
+
+def test_a_piece_output_in_another_layout_reaches_its_readers_in_the_compiled_one():
+    """Inductor may return an output in another layout than the traced graph's (measured: full-size
+    DLRMv3's weight gradients, which oneDNN computed transposed, failed the next piece's stride assert).
+    RegionsFn hands each value on in the layout its readers were compiled for, with the same values."""
+    from recir.lower_gpu._regions import RegionsFn
+
+    grad = torch.randn(8, 4)
+    seen = []
+
+    def producer(x):
+        return (grad.t().contiguous().t() * x,)  # strides (1, 8), where the trace had (4, 1)
+
+    def reader(g):
+        seen.append(g.stride())
+        assert g.stride() == (4, 1), "the reader was compiled for the traced layout"
+        return (g.sum(),)
+
+    fn = RegionsFn(1, [(producer, [0], [], [1], []), (reader, [1], [], [2], [1])], [2], {1: (4, 1), 2: ()})
+    (total,) = fn(torch.tensor(2.0))
+    assert seen == [(4, 1)] and torch.allclose(total, 2 * grad.sum())

@@ -356,17 +356,28 @@ class RegionsFn:
         num_args: int,
         calls: list[tuple[Callable[..., Any], list[int], list[torch.Tensor], list[int], list[int]]],
         outputs: list[int],
+        strides: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
+        """``strides``: value slot -> the layout (strides) the pieces reading it were compiled for."""
         self._num_args = num_args
         self._calls = calls
         self._outputs = outputs
         self._size = num_args + sum(len(c[3]) for c in calls)
+        self._strides = strides or {}
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         env: list[Any] = [*args, *([None] * (self._size - self._num_args))]
         for fn, ins, lifted, outs, frees in self._calls:
             result = fn(*[env[i] for i in ins], *lifted)
             for slot, value in zip(outs, result):
+                want = self._strides.get(slot)
+                if want is not None and isinstance(value, torch.Tensor) and value.stride() != want:
+                    # Inductor may return an output in another layout than the traced graph's (measured: a
+                    # weight gradient oneDNN computed transposed); the pieces reading it were compiled for
+                    # the traced layout and assert it.
+                    value = torch.empty_strided(
+                        value.shape, want, dtype=value.dtype, device=value.device
+                    ).copy_(value)
                 env[slot] = value
             for slot in frees:
                 env[slot] = None
@@ -388,6 +399,7 @@ def compile_regions(
     arg_example = dict(zip(split.placeholders, example_inputs))
     compiled: dict[str, Callable[..., Any]] = {}
     raw_calls = []
+    expected_strides: dict[int, tuple[int, ...]] = {}
     nxt = len(split.placeholders)
     for i, p in enumerate(split.pieces):
         code = codes[i]
@@ -405,6 +417,9 @@ def compile_regions(
         consts = [torch.tensor(v, dtype=d, device=device) for v, d in zip(lifted[i], dtypes)]
         outs = []
         for o in p.outputs:
+            val = o.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                expected_strides[nxt] = tuple(val.stride())
             slot[o] = nxt
             outs.append(nxt)
             nxt += 1
@@ -421,7 +436,7 @@ def compile_regions(
     calls = [(fn, ins, consts, outs, frees[i]) for i, (fn, ins, consts, outs) in enumerate(raw_calls)]
     outputs = [slot[v] for v in split.user_outputs]
     stats = {"pieces": len(split.pieces), "compiled": len(compiled)}
-    return RegionsFn(len(split.placeholders), calls, outputs), stats
+    return RegionsFn(len(split.placeholders), calls, outputs, expected_strides), stats
 
 
 def _lift_nodes(p: _Piece) -> list[fx.Node]:
