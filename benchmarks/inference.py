@@ -72,6 +72,7 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     from jax import export as jax_export
     from recir.capture import capture_train_step
     from recir.dlrmv3 import TrainOptions
+    from recir.dlrmv3._export import serving_pipeline
     from recir.dlrmv3._model import loss_fn
     from recir.dlrmv3._serving import CandidateScorer, HistoryEncoder, serving_max_len, split_batch
     from recir.dlrmv3._serving_export import export_cached_history
@@ -79,7 +80,7 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     from recir.embedding import overrides
     from recir.lower_gpu import export as gpu_export
     from recir.lower_tpu import compile as tpu_compile
-    from recir.transforms import MixedPrecision, Pipeline, to_inference
+    from recir.transforms import to_inference
 
     opts = TrainOptions(
         target="eager",
@@ -113,8 +114,7 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     tensors = served.init_state(model, optimizers)
     graphs = [("", served)]
     if args.bf16:  # the serving graph's products on bf16 copies (recir-dlrmv3 export --precision bf16)
-        low = Pipeline([MixedPrecision(compute_dtype="bfloat16", phases=("forward",))], name="serving")
-        graphs.append((" bf16", low.run(to_inference(step))))
+        graphs.append((" bf16", serving_pipeline(None, "bf16").run(to_inference(step))))
     model.eval()
     with torch.no_grad():
         expected = model(batch)

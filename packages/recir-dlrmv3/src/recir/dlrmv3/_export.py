@@ -37,6 +37,18 @@ def _options(recorded: dict[str, Any], **changes: Any) -> TrainOptions:
     return TrainOptions(**kept)
 
 
+def serving_pipeline(quantize: str | None, precision: str) -> Any:
+    """The rewrites `export` applies to the serving graph (a `recir.transforms.Pipeline`, empty for fp32
+    tables and products): `quantize` ("int8"/"fp16") tables row-wise, `precision="bf16"` products."""
+    from recir.embedding import QuantizeTables
+    from recir.transforms import MixedPrecision, Pipeline
+
+    transforms: list[Any] = [] if quantize is None else [QuantizeTables(dtype=quantize)]
+    if precision == "bf16":
+        transforms.append(MixedPrecision(compute_dtype="bfloat16", phases=("forward",)))
+    return Pipeline(transforms, name="serving")
+
+
 def export_model(
     checkpoint: str,
     target: str,
@@ -59,7 +71,7 @@ def export_model(
     from recir.capture import capture_train_step, load_into
     from recir.distributed import write_atomically
     from recir.embedding import QUANT_DTYPES, QuantizeTables, overrides
-    from recir.transforms import MixedPrecision, Pipeline, to_inference
+    from recir.transforms import MixedPrecision, to_inference
 
     from ._checkpoint import load_checkpoint
     from ._model import loss_fn
@@ -106,12 +118,9 @@ def export_model(
     log(f"export: {checkpoint} (step {meta.get('step')}) for --target {target}")
     step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
     served = to_inference(step)  # aux.0: the multitask logits
-    transforms: list[Any] = [] if quantize is None else [QuantizeTables(dtype=quantize)]
-    if precision == "bf16":
-        transforms.append(MixedPrecision(compute_dtype="bfloat16", phases=("forward",)))
+    pipeline = serving_pipeline(quantize, precision)
     stats: dict[str, Any] = {}
-    if transforms:
-        pipeline = Pipeline(transforms, name="serving")
+    if pipeline.transforms:
         served = pipeline.run(served)
         stats = {r.name: r.stats for r in pipeline.records}
     if quantize is not None:
