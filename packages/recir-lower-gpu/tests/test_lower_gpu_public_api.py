@@ -1,6 +1,7 @@
 """The public surface of recir.lower_gpu: every name in __all__ resolves and belongs to the package."""
 
 import importlib
+import os
 
 import pytest
 
@@ -52,3 +53,25 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
     assert lg.inductor_cache_dir() == tmp_path / "inductor"
     monkeypatch.setattr(_cache, "_USER_INDUCTOR_DIR", str(tmp_path / "user"))
     assert lg.inductor_cache_dir() == tmp_path / "user"
+
+
+def test_torchs_own_default_inductor_dir_is_not_taken_for_a_users_choice(tmp_path):
+    # torch writes /tmp/torchinductor_<user> into TORCHINDUCTOR_CACHE_DIR the first time anything asks
+    # for its cache folder (importing torchrec does); RecIR's folder must still be used then.
+    import subprocess
+    import sys
+
+    code = (
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "cache_dir()\n"  # what importing torchrec does
+        "import recir.lower_gpu as lg\n"
+        "print(lg.inductor_cache_dir())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["RECIR_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == str(tmp_path / "inductor")
+    # a user's own setting still wins
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == str(tmp_path / "mine")

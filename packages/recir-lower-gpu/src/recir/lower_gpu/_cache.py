@@ -15,9 +15,25 @@ from typing import Any
 
 import torch
 
-# Read once at import: torch writes its own default into TORCHINDUCTOR_CACHE_DIR the first time it
-# asks for the folder, after which a user's setting and torch's default look the same.
-_USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+def _torch_default_inductor_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without it: every setting counts as the user's
+        return None
+    return default_cache_dir()
+
+
+def _user_inductor_dir(raw: str | None) -> str | None:
+    """``TORCHINDUCTOR_CACHE_DIR`` when a user chose it. Torch writes its own default
+    (``/tmp/torchinductor_<user>``) into the variable the first time anything asks for the folder, and
+    importing torchrec does, so a value equal to that default is torch's, not a choice: RecIR's folder
+    (which survives reboots) is used instead."""
+    return None if not raw or raw == _torch_default_inductor_dir() else raw
+
+
+# Read once at import (before a RecIR compile sets the variable for its own block).
+_USER_INDUCTOR_DIR = _user_inductor_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
 
 
 def recir_cache_dir() -> Path:

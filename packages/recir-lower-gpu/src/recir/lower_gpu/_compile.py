@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ._cache import inductor_cache_dir, recir_cache_dir, stable_cache_keys, using_cache_dir
 from ._cudagraph import CudaGraphStep
 from ._fused_tbe import FusedTBECompiledStep
-from ._isa import memoized_cpu_isa_probe
+from ._isa import memoized_cpu_isa_probe, probe_in_background
 from ._options import GPUOptions
 from ._pipeline import InPlaceEpilogue, SplitRepeatedRegions, collectives, gpu_pipeline
 from ._private_apis import check_private_apis
@@ -140,6 +140,25 @@ def compile(
             "recir.lower_gpu: CUDA graphs on: the run-time id checks (recir::check_jagged) are dropped, "
             "they read ids on the host; validate batches before the step"
         )
+    # A machine's first compile probes the CPU's SIMD ISAs (about 30 s on 2 cores): in a thread from here,
+    # beside the lowering's Python passes, so code generation, its first reader, waits only for the rest.
+    with (
+        probe_in_background(recir_cache_dir())
+        if dev.type == "cpu" and options.memoize_cpu_isa_probe
+        else contextlib.nullcontext()
+    ):
+        return _lower(step, plan, dev, embedding_backend, options, started)
+
+
+def _lower(
+    step: StepGraph,
+    plan: ShardingPlan | None,
+    dev: torch.device,
+    embedding_backend: str | None,
+    options: GPUOptions,
+    started: float,
+) -> GPUCompiledStep | FusedTBECompiledStep:
+    """compile()'s work after its checks: the lowering pipeline, then Inductor (and FBGEMM's TBE)."""
     # The lowering as code (recir.lower_gpu._pipeline.gpu_pipeline): every rewrite a Transform.
     pipeline = gpu_pipeline(step, options=options, plan=plan, device=dev, embedding_backend=embedding_backend)
     lowered = pipeline.run(step.copy())

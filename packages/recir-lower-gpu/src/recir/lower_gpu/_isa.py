@@ -3,6 +3,12 @@
 Inductor's C++ backend checks each SIMD ISA (AVX2, AVX-512, AMX, ...) once per process by building a
 test library and loading it in a fresh Python interpreter: several seconds per ISA, every process.
 The answer depends only on the machine, the compiler and torch, so we keep it in the cache folder.
+
+The first compile on a machine (no memo yet) still pays the probe: about 30 s for the ten checks on a
+2-core Xeon, a third of a cold full-size DLRMv3 compile. :func:`probe_in_background` starts it in a
+thread when a compile begins, so it runs while Inductor's Python passes (AOTAutograd, lowering,
+scheduling) occupy the main thread, instead of after them; code generation, the first reader, waits
+only for what is left.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ from typing import Any
 import torch
 
 log = logging.getLogger("recir.lower_gpu")
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # installs and removes the hook
+_MEMO_LOCK = threading.Lock()  # the memo file's read-modify-write, and the in-flight table
+_IN_FLIGHT: dict[str, threading.Event] = {}  # probes running in some thread, by key
+_DEPTH = 0  # open memoized_cpu_isa_probe blocks (the hook stays until the last one closes)
+_memoized_original: list[Any] = [None]  # the check_build the outermost open block replaced
+_COMPLETE = "__complete__"  # memo key: every ISA this machine lists has been probed
 
 
 def _machine_key() -> str:
@@ -35,25 +46,51 @@ def _machine_key() -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def _memoized(original: Any, path: Path) -> Any:
-    def check_build(self: Any, code: str) -> bool:
-        key = hashlib.sha256(f"{self._arch_flags}\n{code}".encode()).hexdigest()[:24]
-        try:
-            memo = json.loads(path.read_text())
-        except (OSError, ValueError):
-            memo = {}
-        if key in memo:
-            return bool(memo[key])
-        ok = bool(original(self, code))
+def memo_path(cache_dir: Path) -> Path:
+    """The memo file for this machine, compiler and torch in ``cache_dir``."""
+    return cache_dir / f"recir-cpu-isa-probe-{_machine_key()}.json"
+
+
+def _read(path: Path) -> dict[str, bool]:
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _write(path: Path, key: str, ok: bool) -> None:
+    with _MEMO_LOCK:  # two threads probing at once must not drop each other's answers
+        memo = _read(path)
         memo[key] = ok
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_text(json.dumps(memo))
             os.replace(tmp, path)
         except OSError as exc:  # a read-only cache only costs the probe next time
             log.debug("recir.lower_gpu: could not save the CPU ISA probe memo: %s", exc)
-        return ok
+
+
+def _memoized(original: Any, path: Path) -> Any:
+    def check_build(self: Any, code: str) -> bool:
+        key = hashlib.sha256(f"{self._arch_flags}\n{code}".encode()).hexdigest()[:24]
+        while True:  # answered by the memo, or by the thread already probing this ISA, or probed here
+            if key in (memo := _read(path)):
+                return bool(memo[key])
+            with _MEMO_LOCK:
+                running = _IN_FLIGHT.get(key)
+                if running is None:
+                    _IN_FLIGHT[key] = threading.Event()
+                    break
+            running.wait()  # then read its answer (if it could not save one, probe here)
+        try:
+            ok = bool(original(self, code))
+            _write(path, key, ok)
+            return ok
+        finally:
+            with _MEMO_LOCK:
+                _IN_FLIGHT.pop(key).set()
 
     check_build._recir_memo = True  # type: ignore[attr-defined]
     return check_build
@@ -62,26 +99,62 @@ def _memoized(original: Any, path: Path) -> Any:
 @contextlib.contextmanager
 def memoized_cpu_isa_probe(cache_dir: Path) -> Iterator[bool]:
     """``VecISA.check_build`` answered from an on-disk memo in ``cache_dir`` for the duration of a block
-    (yields False if torch has no such hook; nests; restored on exit, so other torch.compile users in the
-    process probe as they would without RecIR)."""
+    (yields False if torch has no such hook; nests, also across threads: the hook stays until the last
+    open block closes, then the original is restored, so other torch.compile users in the process probe
+    as they would without RecIR)."""
+    global _DEPTH
     try:
         from torch._inductor import cpu_vec_isa
     except ImportError:
         yield False
         return
-    original = getattr(cpu_vec_isa.VecISA, "check_build", None)
+    with _LOCK:
+        original = getattr(cpu_vec_isa.VecISA, "check_build", None)
+        if original is not None:
+            if _DEPTH == 0 and not getattr(original, "_recir_memo", False):
+                cpu_vec_isa.VecISA.check_build = _memoized(original, memo_path(cache_dir))
+                _memoized_original[0] = original
+            _DEPTH += 1
     if original is None:
         yield False
         return
-    if getattr(original, "_recir_memo", False):  # an enclosing block installed it
-        yield True
-        return
-    with _LOCK:
-        cpu_vec_isa.VecISA.check_build = _memoized(
-            original, cache_dir / f"recir-cpu-isa-probe-{_machine_key()}.json"
-        )
     try:
         yield True
     finally:
         with _LOCK:
-            cpu_vec_isa.VecISA.check_build = original
+            _DEPTH -= 1
+            if _DEPTH == 0 and _memoized_original[0] is not None:
+                cpu_vec_isa.VecISA.check_build = _memoized_original[0]
+                _memoized_original[0] = None
+
+
+@contextlib.contextmanager
+def probe_in_background(cache_dir: Path) -> Iterator[threading.Thread | None]:
+    """Run Inductor's SIMD probe (every ISA this CPU lists) in a thread for the duration of a block, with
+    the memo; joined when the block ends. Nothing starts when the memo already has the full answer (the
+    common case: every compile after a machine's first). Yields the thread, or None."""
+    if _read(memo_path(cache_dir)).get(_COMPLETE):
+        yield None
+        return
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        yield None
+        return
+
+    def probe() -> None:
+        try:
+            with memoized_cpu_isa_probe(cache_dir) as memoized:
+                cpu_vec_isa.valid_vec_isa_list()
+                if memoized:
+                    _write(memo_path(cache_dir), _COMPLETE, True)
+        except Exception as exc:  # noqa: BLE001 - the compile's own probe reports what matters
+            log.debug("recir.lower_gpu: the background CPU ISA probe failed: %s", exc)
+
+    thread = threading.Thread(target=probe, name="recir-cpu-isa-probe", daemon=True)
+    with memoized_cpu_isa_probe(cache_dir):  # the hook spans the thread's life, not just the caller's
+        thread.start()
+        try:
+            yield thread
+        finally:
+            thread.join()
