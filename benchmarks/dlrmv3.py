@@ -74,20 +74,25 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     # backward compiled; torch.optim's update eager), what a PyTorch user reaches for first.
     # "gpu+graphs": the GPU path replaying the whole step as one CUDA graph (CUDA only).
     # "gpu+autotune": the GPU path with Inductor's max-autotune (GEMM templates benchmarked against ATen's).
-    # "gpu+regions": the GPU path compiling each STU layer's code once (GPUOptions(regions="repeated")).
-    target = {"torch.compile": "eager", "gpu+graphs": "gpu", "gpu+autotune": "gpu", "gpu+regions": "gpu"}.get(
-        args.target, args.target
-    )
+    # "gpu+regions" / "gpu+whole": the GPU path compiling each STU layer's code once
+    # (GPUOptions(regions="repeated")) / the step as one graph; plain "gpu" is `train`'s default
+    # (--compile_regions auto: repeated for the full-size model on the CPU device).
+    variants = {
+        "gpu+graphs": {"cuda_graphs": True},
+        "gpu+autotune": {"mode": "max-autotune-no-cudagraphs"},
+        "gpu+regions": {"regions": "repeated"},
+        "gpu+whole": {"regions": "whole"},
+    }
+    target = "eager" if args.target == "torch.compile" else "gpu" if args.target in variants else args.target
     options = None
-    if args.target in ("gpu+graphs", "gpu+autotune", "gpu+regions"):
+    if args.target in variants:
         from recir.lower_gpu import GPUOptions
 
-        option = {
-            "gpu+graphs": {"cuda_graphs": True},
-            "gpu+autotune": {"mode": "max-autotune-no-cudagraphs"},
-            "gpu+regions": {"regions": "repeated"},
-        }
-        options = GPUOptions(**option[args.target])
+        options = GPUOptions(**variants[args.target])
+    elif args.target == "gpu":
+        from recir.dlrmv3._train import gpu_options
+
+        options = gpu_options(opts)
     trainer = make_trainer(
         target,
         model,
@@ -174,7 +179,7 @@ def main() -> None:
     p.add_argument(
         "--targets",
         default="eager,gpu,tpu",
-        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, tpu (default %(default)s)",
+        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, gpu+whole, tpu (default %(default)s)",
     )
     p.add_argument(
         "--device",

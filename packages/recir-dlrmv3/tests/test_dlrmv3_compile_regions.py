@@ -49,3 +49,30 @@ def test_dlrmv3_bad_compile_regions():
         TrainOptions(compile_regions="layers").check()
     with pytest.raises(ConfigError, match="GPU path's flag"):
         TrainOptions(target="tpu", compile_regions="repeated").check()
+
+
+def test_compile_regions_auto_is_repeated_only_where_it_was_measured_to_pay(monkeypatch):
+    import torch
+    from recir.dlrmv3._config import REGIONS_FROM_LAYERS
+    from recir.dlrmv3._train import gpu_options, resolve_compile_regions
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    deep = {**TINY, "num_layers": REGIONS_FROM_LAYERS}
+    assert TrainOptions().compile_regions == "auto"
+    assert resolve_compile_regions(TrainOptions(**deep, target="gpu")) == "repeated"
+    assert gpu_options(TrainOptions(**deep, target="gpu")).regions == "repeated"  # type: ignore[attr-defined]
+    assert resolve_compile_regions(TrainOptions(**deep, target="gpu", compile_regions="whole")) == "whole"
+    for other in (
+        dict(num_layers=REGIONS_FROM_LAYERS - 1),  # few layers: the pieces' own overhead is not repaid
+        dict(parallel="dp"),
+        dict(recompute="layers"),
+        dict(pipeline_sparse=2),
+        dict(cuda_graphs=True),
+        dict(target="tpu"),
+    ):
+        opts = TrainOptions(**{**deep, "target": "gpu", **other})  # type: ignore[arg-type]
+        assert resolve_compile_regions(opts) == "whole", other
+    assert gpu_options(TrainOptions(**TINY, target="gpu")) is None  # the lowering's defaults
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # not measured on CUDA: whole
+    assert resolve_compile_regions(TrainOptions(**deep, target="gpu")) == "whole"
+    TrainOptions(**deep, target="tpu").check()  # auto is every target's default: no error

@@ -8,12 +8,14 @@ import logging
 import sys
 
 from ._config import (
+    COMPILE_REGIONS,
     DATASETS,
     EMBEDDING_BACKENDS,
     OPTIMIZERS,
     PARALLEL,
     PRECISIONS,
     RECOMPUTE,
+    REGIONS_FROM_LAYERS,
     TABLE_SHARDINGS,
     TARGETS,
 )
@@ -109,11 +111,12 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
     )
     c.add_argument(
         "--compile_regions",
-        choices=("whole", "repeated"),
-        default="whole",
+        choices=COMPILE_REGIONS,
+        default="auto",
         help="--target gpu: 'repeated' compiles each STU layer's forward, backward and optimizer code once "
         "and runs it for every layer (recir.lower_gpu.GPUOptions(regions='repeated'): a shorter cold compile); "
-        "'whole' (default) gives Inductor the step as one graph",
+        f"'whole' gives Inductor the step as one graph; 'auto' (default): repeated from {REGIONS_FROM_LAYERS} "
+        "layers on the CPU device in one process, else whole",
     )
     c.add_argument(
         "--precision",

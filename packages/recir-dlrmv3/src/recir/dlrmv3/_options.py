@@ -45,8 +45,9 @@ class TrainOptions:
     token_buckets: int = 1
     # GPU path on CUDA: replay the whole step as one CUDA graph (the id checks then leave the graph)
     cuda_graphs: bool = False
-    # GPU path: "repeated" compiles each repeated layer's code once (recir.lower_gpu GPUOptions.regions)
-    compile_regions: str = "whole"
+    # GPU path: "repeated" compiles each repeated layer's code once (recir.lower_gpu GPUOptions.regions),
+    # "whole" the step as one graph, "auto" repeated where it was measured to pay (resolve_compile_regions)
+    compile_regions: str = "auto"
     log_every: int = 50
     seed: int = 0
     eval_every: int = 0
@@ -189,11 +190,13 @@ class TrainOptions:
                 f"--cuda_graphs is the single-process GPU path's flag (got --target {self.target}, --parallel "
                 f"{self.parallel}). Fix: --target gpu without --parallel, on a CUDA machine."
             )
-        if self.compile_regions not in ("whole", "repeated"):
+        from ._config import COMPILE_REGIONS
+
+        if self.compile_regions not in COMPILE_REGIONS:
             raise config_error(
-                f"unknown --compile_regions {self.compile_regions!r}; expected whole or repeated"
+                f"unknown --compile_regions {self.compile_regions!r}; expected one of {', '.join(COMPILE_REGIONS)}"
             )
-        if self.compile_regions != "whole" and self.target != "gpu":
+        if self.compile_regions not in ("whole", "auto") and self.target != "gpu":
             raise config_error(
                 f"--compile_regions {self.compile_regions} is the GPU path's flag (got --target {self.target}). "
                 "Fix: --target gpu, or drop the flag."

@@ -39,13 +39,37 @@ class TrainResult:
     start_step: int = 0
 
 
+def resolve_compile_regions(opts: TrainOptions) -> str:
+    """--compile_regions as the GPU path compiles it: `auto` is `repeated` for a single-process step of at
+    least REGIONS_FROM_LAYERS STU layers on the CPU device (no CUDA device here), without CUDA graphs,
+    --pipeline_sparse or --recompute, where its cold compile was measured shorter (and its bf16 step
+    faster); `whole` elsewhere, including CUDA, where it has not been measured."""
+    import torch
+
+    from ._config import REGIONS_FROM_LAYERS
+
+    if opts.compile_regions != "auto":
+        return opts.compile_regions
+    repeated = (
+        opts.target == "gpu"
+        and opts.num_layers >= REGIONS_FROM_LAYERS
+        and opts.parallel == "none"
+        and not opts.cuda_graphs
+        and not opts.pipeline_sparse
+        and opts.recompute == "none"
+        and not torch.cuda.is_available()
+    )
+    return "repeated" if repeated else "whole"
+
+
 def gpu_options(opts: TrainOptions) -> object:
     """recir.lower_gpu.GPUOptions for --cuda_graphs and --compile_regions (None: the lowering's defaults)."""
-    if not opts.cuda_graphs and opts.compile_regions == "whole":
+    regions = resolve_compile_regions(opts)
+    if not opts.cuda_graphs and regions == "whole":
         return None
     from recir.lower_gpu import GPUOptions
 
-    return GPUOptions(cuda_graphs=opts.cuda_graphs or None, regions=opts.compile_regions)  # type: ignore[arg-type]
+    return GPUOptions(cuda_graphs=opts.cuda_graphs or None, regions=regions)  # type: ignore[arg-type]
 
 
 def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
@@ -273,7 +297,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
             profiler.after(step)
         if step == start:
             result.compile_seconds = trainer.compile_seconds
-            log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description})")
+            regions = f", --compile_regions {resolve_compile_regions(opts)}" if opts.target == "gpu" else ""
+            log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description}{regions})")
             if writer is not None:
                 writer.add_scalar("perf/compile_seconds", trainer.compile_seconds, step + 1)
             window_t, window_n = time.perf_counter(), 0
