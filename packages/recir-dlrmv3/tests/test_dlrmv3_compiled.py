@@ -148,6 +148,39 @@ def test_dlrmv3_gpu_target_trains(tmp_path):
     )
 
 
+@pytest.mark.tpu
+def test_dlrmv3_tpu_trainer_releases_the_models_copy_and_shows_the_trained_arrays():
+    # On the one-device TPU path the weights live in JAX: the model's parameters are placeholders on
+    # untouched pages while it trains; sync_model() makes them views of the trained arrays (no copy),
+    # and the next step releases them again, so it still updates its state in place.
+    from recir.dlrmv3._train import build
+    from recir.dlrmv3._trainers import make_trainer
+
+    opts = TrainOptions(**TINY, target="tpu")
+    model, data, optimizers = build(opts)
+    params = dict(model.named_parameters())
+    before = {k: p.detach().clone() for k, p in params.items()}
+    trainer = make_trainer("tpu", model, optimizers, data.train_batch(0))
+    assert trainer.released is not None and set(trainer.released.placeholders) == set(params)
+    assert all(not p.detach().any() for p in params.values())  # released: zero pages, not the weights
+    assert dict(model.named_parameters()) == params  # the same Parameter objects (the optimizers' own)
+    trainer.step(data.train_batch(0))
+    trained = trainer.sync_model()
+    state = trainer.state_dict()
+    slots = {s.name: x for s, x in zip(trainer.compiled.step.signature.state, trainer.state)}
+    for name, p in params.items():
+        assert torch.equal(p.detach(), state[f"param:{name}"]), name
+        assert p.data_ptr() == slots[f"param:{name}"].unsafe_buffer_pointer(), name  # a view, not a copy
+    assert trained is model and any(not torch.equal(before[k], p.detach()) for k, p in params.items())
+    buffers = [x.unsafe_buffer_pointer() for x in trainer.state]
+    trainer.step(data.train_batch(1))  # releases the views first: the step still donates in place
+    assert [x.unsafe_buffer_pointer() for x in trainer.state] == buffers
+    assert all(not p.detach().any() for p in params.values())
+    trainer.sync_model()
+    trainer.load_state_dict({k: v.clone() for k, v in state.items()})  # new arrays: views dropped
+    assert all(not p.detach().any() for p in params.values())
+
+
 def test_dlrmv3_gpu_trainer_trains_the_model_itself():
     # The GPU path's in-place step takes the model's own tensors as its state (one copy of the weights in
     # the process): the model shows the trained values without a sync, also after a checkpoint load.

@@ -24,6 +24,7 @@ from recir.transforms import ConfigError
 from ._batch import Batch
 from ._config import EMBEDDING_BACKENDS, PRECISIONS, RECOMPUTE, TARGETS
 from ._model import DLRMv3, loss_fn
+from ._released import ReleasedWeights
 
 _RNG = "rng:torch_cpu"
 _log = logging.getLogger("recir.dlrmv3")
@@ -255,8 +256,21 @@ class CompiledTrainer:
             self.state = self.compiled.init_state(model, opt, share_model=True)
         else:
             self.state = self.compiled.init_state(model, opt)
+        # the TPU path on one device: JAX holds the weights, the model's copy is released (see _released)
+        self.released = self._release_model() if target == "tpu" and mesh is None else None
         self._first = True
         self.compile_seconds = 0.0
+
+    def _release_model(self) -> ReleasedWeights | None:
+        """Release the model's parameters when the state holds them as single-device JAX arrays (a plain
+        recir.lower_tpu step: not pipelined, not split between host and device)."""
+        from recir.lower_tpu import TPUCompiledStep
+
+        if not isinstance(self.compiled, TPUCompiledStep):
+            return None
+        released = ReleasedWeights(self.model, (slot.name for slot in self.compiled.step.signature.state))
+        released.release()
+        return released
 
     def _shares_model(self) -> bool:
         """Whether the step trains the model's own tensors: a step that updates its state in place (the GPU
@@ -296,6 +310,8 @@ class CompiledTrainer:
         """Train on `batch`. Pipelined (`lookahead` > 0): `upcoming` are the batches the next calls get
         (up to `lookahead`; fewer at the end, when the last one is repeated as a look-ahead)."""
         started = time.perf_counter()
+        if self.released is not None and self.released.showing:  # drop sync_model's views: donate in place
+            self.released.release()
         if self.lookahead:
             outputs = self._pipelined_step(batch, list(upcoming)[: self.lookahead])
         else:
@@ -334,10 +350,18 @@ class CompiledTrainer:
         merged.update(with_shared_step(state))
         self.state = self.compiled.load_state_dict(merged)  # a pipelined step's carries: zeros, refilled
         self._share_with_model()
+        if self.released is not None:
+            self.released.release()  # views of the replaced state would keep it alive
         self._filled = False
 
     def sync_model(self) -> DLRMv3:
-        """The trained state in the live model (a distributed run gathers it: every rank calls this)."""
+        """The trained state in the live model (a distributed run gathers it: every rank calls this). On the
+        one-device TPU path the parameters become views of the trained JAX arrays (no copy) until the next
+        step, which releases them again."""
+        if self.released is not None:
+            names = (slot.name for slot in self.compiled.step.signature.state)
+            self.released.show(dict(zip(names, self.state)))
+            return self.model
         state = self.state_dict()
         if self.dstep is not None:
             state = rd.gather_state(

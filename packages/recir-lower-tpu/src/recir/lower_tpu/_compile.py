@@ -120,7 +120,8 @@ class TPUCompiledStep:
         return self._cache_hit
 
     def init_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[jax.Array]:
-        return self._put_state(self.step.init_state(model, optimizer))
+        # the model's own tensors, not clones: each is copied into a JAX buffer anyway (no third copy)
+        return self._put_state(self.step.init_state(model, optimizer, share_model=True))
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[jax.Array]:
         return self._put_state(self.step.load_state_dict(state_dict))
@@ -143,7 +144,7 @@ class TPUCompiledStep:
                 check(flat)
         with self._x64():
             jstate = [
-                to_jax(x, sh) if isinstance(x, torch.Tensor) else x
+                to_jax(x, sh, owned=True) if isinstance(x, torch.Tensor) else x
                 for x, sh in zip(state, self._state_shardings)
             ]
             jbatch = [to_jax(t, sh) for t, sh in zip(sig.flatten_batch(batch), self._batch_shardings)]
@@ -267,7 +268,7 @@ class TPUCompiledStep:
 
     def _put_state(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
         with self._x64():
-            return [to_jax(t, sh) for t, sh in zip(tensors, self._state_shardings)]
+            return [to_jax(t, sh, owned=True) for t, sh in zip(tensors, self._state_shardings)]
 
     def _check_state(self, state: Sequence[Any]) -> None:
         check_state_count(self.step, state)

@@ -21,8 +21,11 @@ def jax_dtype(dtype: torch.dtype) -> Any:
     return jax.dtypes.canonicalize_dtype(t2j_dtype(dtype))
 
 
-def to_jax(t: torch.Tensor, sharding: Sharding) -> jax.Array:
-    """Copy a torch tensor onto ``sharding``'s devices, in its canonical JAX dtype."""
+def to_jax(t: torch.Tensor, sharding: Sharding, owned: bool = False) -> jax.Array:
+    """A torch tensor on ``sharding``'s devices, in its canonical JAX dtype. On the CPU backend JAX may
+    share the tensor's memory instead of copying (fine for a batch); ``owned``: always a buffer of JAX's
+    own, which a step that donates it can update in place. (A shared buffer cannot be donated: the
+    step's first call then allocated all of its state anew, twice the state's memory at its peak.)"""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -34,7 +37,9 @@ def to_jax(t: torch.Tensor, sharding: Sharding) -> jax.Array:
     target = jax_dtype(t.dtype)
     if host.dtype != target:
         host = host.astype(target)
-    return jax.device_put(host, sharding)
+    x = jax.device_put(host, sharding)
+    # jax 0.10 shares an aligned host array's memory whatever may_alias says; copying the JAX array does not
+    return jax.device_put(x, sharding, may_alias=False) if owned else x
 
 
 def to_torch(x: jax.Array, dtype: torch.dtype) -> torch.Tensor:
