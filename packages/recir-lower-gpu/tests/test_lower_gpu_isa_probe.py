@@ -75,3 +75,18 @@ def test_a_probe_that_cannot_save_its_answer_is_rerun_by_the_waiting_thread(
         for w in workers:
             w.join(timeout=10)
     assert results == [True, True] and calls == ["-mavx2", "-mavx2"]  # answered, never deadlocked
+
+
+def test_a_probe_list_torch_already_cached_does_not_mark_the_memo_complete(tmp_path, monkeypatch):
+    # computed earlier in the process without the memo, torch's cached list probes nothing under it: the
+    # memo must stay incomplete, so the next process still probes ahead
+    import functools
+
+    from torch._inductor import cpu_vec_isa
+
+    cached = functools.cache(lambda: [])
+    cached()
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", cached)
+    with _isa.probe_in_background(tmp_path) as thread:
+        assert thread is not None
+    assert _isa._COMPLETE not in _isa._read(_isa.memo_path(tmp_path))

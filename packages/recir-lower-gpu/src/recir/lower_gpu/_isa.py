@@ -144,9 +144,12 @@ def probe_in_background(cache_dir: Path) -> Iterator[threading.Thread | None]:
 
     def probe() -> None:
         try:
+            # torch caches the list per process: computed earlier without the memo, it probes nothing now
+            info = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)
+            fresh = info is None or info().currsize == 0
             with memoized_cpu_isa_probe(cache_dir) as memoized:
                 cpu_vec_isa.valid_vec_isa_list()
-                if memoized:
+                if memoized and fresh:
                     _write(memo_path(cache_dir), _COMPLETE, True)
         except Exception as exc:  # noqa: BLE001 - the compile's own probe reports what matters
             log.debug("recir.lower_gpu: the background CPU ISA probe failed: %s", exc)
