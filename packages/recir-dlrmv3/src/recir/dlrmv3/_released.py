@@ -55,7 +55,7 @@ class ReleasedWeights:
 
     def show(self, state: Mapping[str, Any]) -> None:
         """The model's parameters and buffers from ``state`` (slot name -> JAX array or torch tensor): the
-        released parameters become views of it where dtype and shape agree (no copy), else copies; other
+        released parameters become views of it (a converted copy where the dtype differs); other
         parameters and buffers are copied into."""
         with torch.no_grad():
             for slot_of, named in (
@@ -69,7 +69,7 @@ class ReleasedWeights:
                     host = _as_torch(value)
                     if slot_of is param_slot and name in self.placeholders:
                         same = host.dtype == t.dtype and host.shape == t.shape
-                        t.data = host if same else host.to(t.dtype).reshape(t.shape).clone()
+                        t.data = host if same else host.to(t.dtype).reshape(t.shape)
                     else:
                         t.copy_(host.to(t.dtype))
         self.showing = True

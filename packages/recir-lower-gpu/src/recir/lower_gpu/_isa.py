@@ -31,7 +31,7 @@ _LOCK = threading.Lock()  # installs and removes the hook
 _MEMO_LOCK = threading.Lock()  # the memo file's read-modify-write, and the in-flight table
 _IN_FLIGHT: dict[str, threading.Event] = {}  # probes running in some thread, by key
 _DEPTH = 0  # open memoized_cpu_isa_probe blocks (the hook stays until the last one closes)
-_memoized_original: list[Any] = [None]  # the check_build the outermost open block replaced
+_replaced: Any = None  # the check_build the outermost open block replaced (restored when the last closes)
 _COMPLETE = "__complete__"  # memo key: every ISA this machine lists has been probed
 
 
@@ -102,7 +102,7 @@ def memoized_cpu_isa_probe(cache_dir: Path) -> Iterator[bool]:
     (yields False if torch has no such hook; nests, also across threads: the hook stays until the last
     open block closes, then the original is restored, so other torch.compile users in the process probe
     as they would without RecIR)."""
-    global _DEPTH
+    global _DEPTH, _replaced
     try:
         from torch._inductor import cpu_vec_isa
     except ImportError:
@@ -113,7 +113,7 @@ def memoized_cpu_isa_probe(cache_dir: Path) -> Iterator[bool]:
         if original is not None:
             if _DEPTH == 0 and not getattr(original, "_recir_memo", False):
                 cpu_vec_isa.VecISA.check_build = _memoized(original, memo_path(cache_dir))
-                _memoized_original[0] = original
+                _replaced = original
             _DEPTH += 1
     if original is None:
         yield False
@@ -123,9 +123,8 @@ def memoized_cpu_isa_probe(cache_dir: Path) -> Iterator[bool]:
     finally:
         with _LOCK:
             _DEPTH -= 1
-            if _DEPTH == 0 and _memoized_original[0] is not None:
-                cpu_vec_isa.VecISA.check_build = _memoized_original[0]
-                _memoized_original[0] = None
+            if _DEPTH == 0 and _replaced is not None:
+                cpu_vec_isa.VecISA.check_build, _replaced = _replaced, None
 
 
 @contextlib.contextmanager
