@@ -34,3 +34,23 @@ def test_dlrmv3_profile_eager_writes_a_torch_trace(tmp_path):
     assert any(x.startswith("profile of 2 step(s)") for x in lines)  # the run ended inside the window
     assert any("aten::mm" in x or "aten::addmm" in x for x in lines)
     assert (tmp_path / "p" / "trace.json").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_dlrmv3_profile_gpu_path_in_pieces_prints_time_per_region(tmp_path):
+    lines: list[str] = []
+    opts = TrainOptions(**{**TINY, "num_layers": 2}, target="gpu", compile_regions="repeated", num_train_batches=3,
+                        log_every=3, profile=str(tmp_path / "p"), profile_steps=2)  # fmt: skip
+    train(opts, log=lines.append)
+    start = next(
+        i for i, x in enumerate(lines) if x.startswith("time per region (the GPU path's compiled pieces")
+    )
+    table = lines[start + 1 :]
+    assert table[0].split()[:3] == ["region", "phase", "ms/step"]
+    end = next(i for i, x in enumerate(table) if x.startswith("total"))
+    rows = {tuple(x.split()[:2]): float(x.split()[2]) for x in table[1:end]}
+    for phase in ("forward", "backward", "optimizer"):  # each STU layer in each phase is a piece of its own
+        assert rows[("layers.0", phase)] > 0 and rows[("layers.1", phase)] > 0, phase
+    assert any(scope == "(glue)" for scope, _ in rows)
+    assert float(table[end].split()[-1]) > 0
+    assert any("aten::" in x for x in lines[:start])  # the operator table still comes first

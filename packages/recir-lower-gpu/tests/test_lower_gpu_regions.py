@@ -121,6 +121,19 @@ def test_repeated_regions_compile_once_and_match_the_whole_step(lower_gpu_cache_
             state, (loss, *_) = compiled(state, _batch(i))
             losses.append(loss)
         runs[regions] = (torch.stack(losses), compiled.state_dict(state))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            state, _ = compiled(state, _batch(4))
+        times = compiled.region_times(prof.key_averages())
+        if regions == "whole":
+            assert times is None  # nothing to tell apart
+        else:  # one profiler event per piece: each block in each phase, and the glue between them
+            rows = {(r.scope, r.phase): r for r in times}
+            for phase in ("forward", "backward", "optimizer"):
+                for i in range(3):
+                    assert rows[(f"blocks.{i}", phase)].seconds > 0, (i, phase)
+            assert any(scope == "(glue)" for scope, _ in rows)
+            assert all(r.nodes > 0 for r in times)
+            assert [r.seconds for r in times] == sorted((r.seconds for r in times), reverse=True)
         report = compiled.pipeline.report()
         assert ("recir-gpu-repeated-regions" in report) == (regions == "repeated"), report
     assert "regions='repeated':" in caplog.text and "distinct compiled" in caplog.text

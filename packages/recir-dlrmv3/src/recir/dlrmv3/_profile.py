@@ -3,7 +3,9 @@ where a step's time goes.
 
 TPU path: a JAX profiler trace in DIR and the time per StepGraph region (module scope x phase, from
 `recir.scope` on the nodes; recir.lower_tpu.node_seconds maps the trace's XLA kernels to nodes). Other
-targets: a torch profiler trace (`DIR/trace.json`, Chrome format) and the time per operator/kernel.
+targets: a torch profiler trace (`DIR/trace.json`, Chrome format) and the time per operator/kernel;
+the GPU path compiled in pieces (`--compile_regions repeated`, `auto`'s choice at full size) also the
+time per piece's region (a repeated module instance in one phase, or the glue between them).
 """
 
 from __future__ import annotations
@@ -75,8 +77,19 @@ class StepProfiler:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(str(self.dir / "trace.json"))
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            table = prof.key_averages().table(sort_by=sort, row_limit=25)
+            averages = prof.key_averages()
+            table = averages.table(sort_by=sort, row_limit=25)
             self._report(f"torch profiler trace in {self.dir / 'trace.json'}", table)
+            per_piece = getattr(getattr(self.trainer, "compiled", None), "region_times", None)
+            rows = per_piece(averages) if callable(per_piece) else None
+            if rows:  # the GPU path compiled in pieces (--compile_regions repeated): time per region too
+                from recir.transforms import format_region_table
+
+                self.emit(
+                    f"time per region (the GPU path's compiled pieces; host time), {self.done} step(s):"
+                )
+                for line in format_region_table(rows, steps=self.done).splitlines():
+                    self.emit(line)
 
     def _report(self, where: str, table: str) -> None:
         self.emit(

@@ -347,6 +347,32 @@ def _unsupported(
     return None
 
 
+REGION_EVENT = "recir.region "  # the profiler event of a piece: this, then "<scope> <phase>"
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceRegion:
+    """What a compiled piece computes: a repeated module instance (``layers.3``) in one phase, or glue
+    (``(glue)``: the nodes between them, of one or more phases joined by ``+``), and its node count."""
+
+    scope: str
+    phase: str
+    nodes: int
+
+    @property
+    def event(self) -> str:
+        return f"{REGION_EVENT}{self.scope} {self.phase}"
+
+
+def piece_region(piece: _Piece) -> PieceRegion:
+    if piece.key is not None:
+        phase, scope = piece.key
+    else:
+        phases = dict.fromkeys(str(n.meta.get(PHASE_KEY, "-")) for n in piece.nodes)
+        scope, phase = "(glue)", "+".join(phases)
+    return PieceRegion(scope, phase, len(piece.nodes))
+
+
 class RegionsFn:
     """Runs the compiled pieces in order over ``(*state, *batch)``, freeing each value after its last
     reader; returns the step's user outputs (state is updated in place)."""
@@ -357,18 +383,27 @@ class RegionsFn:
         calls: list[tuple[Callable[..., Any], list[int], list[torch.Tensor], list[int], list[int]]],
         outputs: list[int],
         strides: dict[int, tuple[int, ...]] | None = None,
+        regions: Sequence[PieceRegion] = (),
     ) -> None:
-        """``strides``: value slot -> the layout (strides) the pieces reading it were compiled for."""
+        """``strides``: value slot -> the layout (strides) the pieces reading it were compiled for;
+        ``regions``: each call's region (its profiler event names it)."""
         self._num_args = num_args
         self._calls = calls
         self._outputs = outputs
         self._size = num_args + sum(len(c[3]) for c in calls)
         self._strides = strides or {}
+        self.regions = list(regions)
+        self._events = [r.event for r in self.regions] if len(self.regions) == len(calls) else []
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         env: list[Any] = [*args, *([None] * (self._size - self._num_args))]
-        for fn, ins, lifted, outs, frees in self._calls:
-            result = fn(*[env[i] for i in ins], *lifted)
+        profiling = bool(self._events) and torch.autograd._profiler_enabled()
+        for k, (fn, ins, lifted, outs, frees) in enumerate(self._calls):
+            if profiling:  # one event per piece: --profile's time per region
+                with torch.profiler.record_function(self._events[k]):
+                    result = fn(*[env[i] for i in ins], *lifted)
+            else:
+                result = fn(*[env[i] for i in ins], *lifted)
             for slot, value in zip(outs, result):
                 want = self._strides.get(slot)
                 if want is not None and isinstance(value, torch.Tensor) and value.stride() != want:
@@ -436,7 +471,8 @@ def compile_regions(
     calls = [(fn, ins, consts, outs, frees[i]) for i, (fn, ins, consts, outs) in enumerate(raw_calls)]
     outputs = [slot[v] for v in split.user_outputs]
     stats = {"pieces": len(split.pieces), "compiled": len(compiled)}
-    return RegionsFn(len(split.placeholders), calls, outputs, expected_strides), stats
+    regions = [piece_region(p) for p in split.pieces]
+    return RegionsFn(len(split.placeholders), calls, outputs, expected_strides, regions), stats
 
 
 def _lift_nodes(p: _Piece) -> list[fx.Node]:

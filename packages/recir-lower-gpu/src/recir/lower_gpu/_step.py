@@ -6,12 +6,12 @@ State is a flat list of device tensors in signature order; a step updates it in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from recir.transforms import ConfigError, Pipeline, StepGraph
+from recir.transforms import ConfigError, Pipeline, RegionTime, StepGraph
 from torch import nn
 
 from ._cudagraph import CudaGraphStep
@@ -57,6 +57,27 @@ class GPUCompiledStep:
     @property
     def in_place(self) -> bool:
         return self.options.in_place
+
+    def region_times(self, events: Iterable[Any]) -> list[RegionTime] | None:
+        """Time per region from a torch profiler's averaged events (``prof.key_averages()``) over steps of
+        this compiled step: each piece of ``GPUOptions(regions="repeated")`` runs under a profiler event
+        naming its region (a repeated module instance such as ``layers.3`` in one phase, or ``(glue)``),
+        largest first, as recir.transforms' ``RegionTime`` rows (``format_region_table``). Host time: on
+        CUDA a piece's kernels run asynchronously, so read the kernel table there. None when the step was
+        compiled whole (no pieces to tell apart)."""
+        from ._regions import REGION_EVENT, RegionsFn
+
+        if not isinstance(self._fn, RegionsFn) or not self._fn.regions:
+            return None
+        nodes: dict[str, int] = {}
+        for r in self._fn.regions:
+            nodes[r.event] = nodes.get(r.event, 0) + r.nodes
+        rows = []
+        for e in events:
+            if e.key.startswith(REGION_EVENT) and e.key in nodes:
+                scope, phase = e.key[len(REGION_EVENT) :].rsplit(" ", 1)
+                rows.append(RegionTime(scope, phase, e.cpu_time_total / 1e6, nodes[e.key]))
+        return sorted(rows, key=lambda r: -r.seconds)
 
     # -- state -------------------------------------------------------------------------------------
     def _to_device(self, tensors: Sequence[torch.Tensor], *, copy: bool) -> list[torch.Tensor]:

@@ -51,16 +51,17 @@ def region_times(step: StepGraph, node_seconds: Mapping[str, float], depth: int 
 def format_region_table(rows: list[RegionTime], steps: int = 1, limit: int = 30) -> str:
     """A plain-text table: ms per step and share of the total, per region (the ``limit`` largest)."""
     total = sum(r.seconds for r in rows) or 1.0
-    lines = [f"{'region':<40} {'phase':<9} {'ms/step':>9} {'share':>6} {'nodes':>6}"]
+    w = max([9, *(len(r.phase) for r in rows[:limit])])  # "backward+optimizer" for a lowering's glue
+    lines = [f"{'region':<40} {'phase':<{w}} {'ms/step':>9} {'share':>6} {'nodes':>6}"]
     for r in rows[:limit]:
         lines.append(
-            f"{r.scope[:40]:<40} {r.phase:<9} {r.seconds * 1000 / steps:>9.2f} "
+            f"{r.scope[:40]:<40} {r.phase:<{w}} {r.seconds * 1000 / steps:>9.2f} "
             f"{100 * r.seconds / total:>5.1f}% {r.nodes:>6}"
         )
     if len(rows) > limit:
         rest = sum(r.seconds for r in rows[limit:])
         lines.append(
-            f"{'(' + str(len(rows) - limit) + ' more regions)':<40} {'':<9} {rest * 1000 / steps:>9.2f}"
+            f"{'(' + str(len(rows) - limit) + ' more regions)':<40} {'':<{w}} {rest * 1000 / steps:>9.2f}"
         )
-    lines.append(f"{'total':<40} {'':<9} {total * 1000 / steps:>9.2f}")
+    lines.append(f"{'total':<40} {'':<{w}} {total * 1000 / steps:>9.2f}")
     return "\n".join(lines)
