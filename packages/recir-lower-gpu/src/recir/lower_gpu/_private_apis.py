@@ -34,6 +34,7 @@ PRIVATE_APIS = (
     "torch._library.custom_ops:OPDEFS",
     "torch._ops:OpOverload",
     "torch._ops:OpOverloadPacket",
+    "torch.autograd:_profiler_enabled",  # regions='repeated': a profiler event per piece only under one
 )
 
 
