@@ -104,6 +104,7 @@ def worker(path: str, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         )
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
         step = capture_train_step(model, opt, _loss_fn, batches[0][0], overrides=overrides())
+        huge_pages = None if args.huge_pages == "off" else 256 << 20
         if path == "interpreter":
             runner: Any = prepare_for_lowering(step, backend="in_graph", target="gpu", device="cpu")
         elif path in ("lower_gpu", "lower_gpu_tbe"):
@@ -112,11 +113,13 @@ def worker(path: str, rows: int, args: argparse.Namespace) -> dict[str, Any]:
             # lower_gpu: the in-graph row update (and ATen lookups) in the Inductor step; lower_gpu_tbe:
             # FBGEMM's split TBE with its fused backward + SGD outside it
             backend = "fbgemm" if path == "lower_gpu_tbe" else "in_graph"
-            runner = recir.lower_gpu.compile(step, device=device, embedding_backend=backend)
+            gpu = recir.lower_gpu.GPUOptions(huge_pages_min_bytes=huge_pages)
+            runner = recir.lower_gpu.compile(step, device=device, embedding_backend=backend, options=gpu)
         else:
             import recir.lower_tpu
 
-            runner = recir.lower_tpu.compile(prepare_for_lowering(step, target="tpu"))
+            tpu = recir.lower_tpu.TPUOptions(huge_pages_min_bytes=huge_pages)
+            runner = recir.lower_tpu.compile(prepare_for_lowering(step, target="tpu"), options=tpu)
         holder = {"state": runner.init_state(model, opt)}
         del model, opt
 
@@ -266,6 +269,13 @@ def main() -> None:
         help="draw ids from the small table's range for both sizes (separates table size from cache misses)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    p.add_argument(
+        "--huge-pages",
+        choices=("on", "off"),
+        default="on",
+        help="lower_gpu / lower_tpu: back tables of 256 MiB and more by transparent huge pages (the "
+        "lowerings' default, huge_pages_min_bytes) or not (off), for an A/B of the TLB's share",
+    )
     p.add_argument("--ring", action="store_true", help="ring shift vs GSPMD gather on 8 JAX host devices")
     p.add_argument("--ring-rows", type=int, default=100_000, help="--ring: table rows (divisible by 8)")
     p.add_argument("--worker", nargs=2, metavar=("PATH", "ROWS"), help=argparse.SUPPRESS)

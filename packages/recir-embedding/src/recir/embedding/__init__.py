@@ -24,6 +24,11 @@ from ._embedding_bag_override import EmbeddingBagOverride as EmbeddingBagOverrid
 from ._embedding_bag_override import EmbeddingBagStandIn as EmbeddingBagStandIn
 from ._host import CutHostSplit as CutHostSplit
 from ._host import HostEmbeddings as HostEmbeddings
+from ._huge_pages import DEFAULT_MIN_BYTES as HUGE_PAGES_MIN_BYTES
+from ._huge_pages import advise_huge_pages as advise_huge_pages
+from ._huge_pages import advise_large_buffers as advise_large_buffers
+from ._huge_pages import huge_page_bytes as huge_page_bytes
+from ._huge_pages import thp_mode as thp_mode
 from ._jagged import JaggedBatch as JaggedBatch
 from ._jagged import validate_batch as validate_batch
 from ._jagged import validate_step_batch as validate_step_batch
@@ -122,6 +127,12 @@ __all__ = [
     "FusedTBE",
     "fused_tbe_tables",
     "FUSED_OPTIMIZERS",
+    # large host tables backed by transparent huge pages (the lowerings' huge_pages_min_bytes)
+    "advise_huge_pages",
+    "advise_large_buffers",
+    "huge_page_bytes",
+    "thp_mode",
+    "HUGE_PAGES_MIN_BYTES",
     # errors (shared with recir.transforms)
     "CaptureError",
     "ConfigError",

@@ -71,6 +71,11 @@ class GPUOptions:
       values either way; it matters most for steps that recompute activations (full-size DLRMv3 at UIH
       4096 with ``--recompute layers``: Inductor's buffers peaked at 1283 MiB without it, 759 with it and
       the stored dropout masks, where the step's graph needs 878).
+    - ``huge_pages_min_bytes``: on the CPU device, back every state tensor of at least this many bytes
+      (the large embedding tables) by transparent huge pages (Linux; ``recir.embedding.advise_huge_pages``)
+      when ``init_state``/``load_state_dict`` build the state, so a row lookup or update stops paying a TLB
+      miss per id. Default 256 MiB; ``None``: never. Same values either way; setup pays about 0.25 s per
+      100 MiB advised.
     """
 
     mode: InductorMode = "default"
@@ -87,6 +92,7 @@ class GPUOptions:
     regions: Literal["whole", "repeated"] = "whole"
     cpu_matmul: Literal["auto", "onednn", "aten"] = "auto"
     free_early: bool = True
+    huge_pages_min_bytes: int | None = 256 << 20  # recir.embedding.HUGE_PAGES_MIN_BYTES
 
     def __post_init__(self) -> None:
         if self.mode not in INDUCTOR_MODES:

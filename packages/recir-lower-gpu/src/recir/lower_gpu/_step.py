@@ -87,6 +87,11 @@ class GPUCompiledStep:
             if copy or t.device != self.device:
                 t = t.to(self.device, copy=True)
             out.append(t.contiguous())
+        if self.device.type == "cpu" and self.options.huge_pages_min_bytes is not None:
+            from recir.embedding import advise_large_buffers
+
+            # in place, contents unchanged: the large tables' row lookups and updates stop missing the TLB
+            advise_large_buffers(((t.data_ptr(), t.nbytes) for t in out), self.options.huge_pages_min_bytes)
         return out
 
     def init_state(

@@ -18,7 +18,13 @@ from typing import Any, Literal, overload
 import jax
 import torch
 from recir.distributed import ShardingPlan, as_plan
-from recir.embedding import CutHostSplit, HostEmbeddings, embedding_report, resolve_backend
+from recir.embedding import (
+    CutHostSplit,
+    HostEmbeddings,
+    advise_large_buffers,
+    embedding_report,
+    resolve_backend,
+)
 from recir.transforms import ConfigError, DataError, Pipeline, StepGraph, verify, verify_level
 from torch import nn
 
@@ -52,6 +58,10 @@ class TPUOptions:
     ``host_checks``: run the step's id/length checks (``recir::check_jagged``, which XLA cannot raise
     from) on the host before each step, so an out-of-range id, a negative length or a length past its
     capacity raises DataError before the device runs; ``False`` skips them (trusted input pipelines).
+    ``huge_pages_min_bytes``: on JAX's CPU backend, back every state buffer of at least this many bytes (the
+    large embedding tables) by transparent huge pages (Linux; ``recir.embedding.advise_huge_pages``) when
+    ``init_state``/``load_state_dict`` build the state; the donated buffers keep them from step to step, and
+    a row lookup or update stops paying a TLB miss per id. Default 256 MiB; ``None``: never.
     """
 
     x64: bool | None = None
@@ -60,6 +70,7 @@ class TPUOptions:
     cache_dir: str | None = None
     donate_state: bool = True
     host_checks: bool = True
+    huge_pages_min_bytes: int | None = 256 << 20  # recir.embedding.HUGE_PAGES_MIN_BYTES
 
 
 class TPUCompiledStep:
@@ -268,7 +279,17 @@ class TPUCompiledStep:
 
     def _put_state(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
         with self._x64():
-            return [to_jax(t, sh, owned=True) for t, sh in zip(tensors, self._state_shardings)]
+            state = [to_jax(t, sh, owned=True) for t, sh in zip(tensors, self._state_shardings)]
+        if self.options.huge_pages_min_bytes is not None:
+            # in place, contents unchanged; donation keeps the buffers (and their pages) across steps
+            buffers = [
+                (s.data.unsafe_buffer_pointer(), s.data.nbytes)
+                for x in state
+                for s in x.addressable_shards
+                if s.device.platform == "cpu"
+            ]
+            advise_large_buffers(buffers, self.options.huge_pages_min_bytes)
+        return state
 
     def _check_state(self, state: Sequence[Any]) -> None:
         check_state_count(self.step, state)

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import torch
-from recir.embedding import HostEmbeddings, HostSplit
+from recir.embedding import HostEmbeddings, HostSplit, advise_large_buffers
 from recir.transforms import ConfigError, StepGraph
 from torch import nn
 
@@ -90,6 +90,10 @@ class HostSplitCompiledStep:
         state: list[Any] = [None] * len(tensors)
         for i in self._host:  # owned by the host part: a private contiguous CPU copy, updated in place
             state[i] = tensors[i].detach().to("cpu", copy=True).contiguous()
+        advise_large_buffers(  # the host tables' rows: huge pages, as the device part's large buffers
+            [(state[i].data_ptr(), state[i].nbytes) for i in self._host],
+            self.device.options.huge_pages_min_bytes,
+        )
         for i, x in zip(self._dev, self.device._put_state([tensors[i] for i in self._dev])):
             state[i] = x
         return state

@@ -1,0 +1,108 @@
+"""Transparent huge pages for large host tables (Linux).
+
+A lookup or row update touches rows spread over the whole table, so on the CPU every id of a table much
+larger than the caches pays a TLB miss as well as a cache miss: 4 KiB pages give a second-level TLB a
+reach of a few MiB. Backed by 2 MiB pages the same TLB covers gigabytes. Where the kernel's transparent
+huge pages are in ``madvise`` mode (the common default) a process gets them only for ranges it advises,
+so the lowerings advise the state buffers of their large tables: ``MADV_HUGEPAGE`` for the pages faulted
+later, then ``MADV_COLLAPSE`` (Linux 6.1+) to rebuild the pages already written as huge pages, in place
+(contents unchanged; about 0.25 s per 100 MiB on a 2-core Xeon). Measured there: gathering and
+scatter-adding 2,600 random rows of a 5M x 32 fp32 table (610 MiB) 0.34 -> 0.24 ms.
+
+Everything here is advice: where the kernel, the platform or the mode does not allow it, nothing changes
+and the functions return 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+from collections.abc import Iterable
+
+log = logging.getLogger("recir.embedding")
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+#: Buffers at least this large are advised by default (the lowerings' ``huge_pages_min_bytes``): the
+#: collapse costs time per byte at setup, and a table of a few hundred MiB is where ids miss the TLB.
+DEFAULT_MIN_BYTES = 256 << 20
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``), None where unknown."""
+    try:
+        with open(_THP_MODE) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def advise_huge_pages(address: int, nbytes: int, *, collapse: bool = True) -> int:
+    """Back the whole 2 MiB pages inside ``[address, address + nbytes)`` by huge pages; returns the bytes
+    advised (0 where nothing was: no Linux, THP ``never``, a range under one huge page, or the kernel
+    refused). ``collapse``: also rebuild the pages already written (``MADV_COLLAPSE``; skipped, with the
+    advice kept for later faults, on kernels before 6.1)."""
+    madvise = _madvise()
+    if madvise is None or thp_mode() in (None, "never"):
+        return 0
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return 0
+    if madvise(start, end - start, MADV_HUGEPAGE) != 0:
+        log.debug("recir.embedding: madvise(MADV_HUGEPAGE) failed, errno %d", ctypes.get_errno())
+        return 0
+    if collapse and madvise(start, end - start, MADV_COLLAPSE) != 0:
+        # EINVAL before Linux 6.1; EAGAIN/ENOMEM when no huge pages are free: the advice stands
+        log.debug("recir.embedding: madvise(MADV_COLLAPSE) failed, errno %d", ctypes.get_errno())
+    return end - start
+
+
+def advise_large_buffers(
+    buffers: Iterable[tuple[int, int]], min_bytes: int | None = DEFAULT_MIN_BYTES
+) -> int:
+    """:func:`advise_huge_pages` for every ``(address, nbytes)`` of at least ``min_bytes`` (None: none);
+    returns the bytes advised in all, and logs them."""
+    if min_bytes is None:
+        return 0
+    total = sum(advise_huge_pages(a, n) for a, n in buffers if n >= min_bytes)
+    if total:
+        log.info("recir.embedding: %.0f MiB of large state buffers backed by huge pages", total / 2**20)
+    return total
+
+
+def huge_page_bytes(address: int, nbytes: int) -> int:
+    """How much of ``[address, address + nbytes)`` is backed by transparent huge pages now
+    (``AnonHugePages`` of the mappings it overlaps in ``/proc/self/smaps``; 0 where unknown)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    total, inside = 0, False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < address + nbytes and address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
