@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import platform
-
 import pytest
 import torch
-from recir.embedding import advise_huge_pages, advise_large_buffers, huge_page_bytes, thp_mode
-
-
-def huge_pages_supported() -> bool:
-    """Linux 6.1+ (MADV_COLLAPSE) with transparent huge pages not switched off."""
-    if platform.system() != "Linux" or thp_mode() in (None, "never"):
-        return False
-    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
-    return (major, minor) >= (6, 1)
-
+from recir.embedding import advise_huge_pages, advise_large_buffers, huge_page_bytes, huge_pages_supported
 
 needs_thp = pytest.mark.skipif(
     not huge_pages_supported(), reason="needs Linux 6.1+ with transparent huge pages"

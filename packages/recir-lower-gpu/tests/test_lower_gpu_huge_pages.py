@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import platform
-
 import pytest
 import recir.lower_gpu as lg
 import torch
 from _lower_gpu_steps import TinyMLP, mlp_batch, mse_loss, sgd_step_graph
-from recir.embedding import huge_page_bytes, thp_mode
+from recir.embedding import huge_page_bytes, huge_pages_supported
 
 
-def _supported() -> bool:
-    if platform.system() != "Linux" or thp_mode() in (None, "never"):
-        return False
-    return tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 1)
-
-
-@pytest.mark.skipif(not _supported(), reason="needs Linux 6.1+ with transparent huge pages")
+@pytest.mark.skipif(not huge_pages_supported(), reason="needs Linux 6.1+ with transparent huge pages")
 def test_large_state_tensors_get_huge_pages_and_train_bit_for_bit_the_same(lower_gpu_cache_dir):
     torch.manual_seed(0)
     model = TinyMLP(hidden=1 << 18)  # first weight 262144 x 8 fp32: 8 MiB (and its momentum)

@@ -3,29 +3,20 @@ pages, kept across donated steps, same training."""
 
 from __future__ import annotations
 
-import os
-import platform
-
 import pytest
 import torch
-from recir.embedding import huge_page_bytes, thp_mode
+from recir.embedding import huge_page_bytes, huge_pages_supported
 from recir.lower_tpu import TPUOptions, compile
 from torch import nn
 
 pytestmark = pytest.mark.tpu
 
 
-def _supported() -> bool:
-    if platform.system() != "Linux" or thp_mode() in (None, "never"):
-        return False
-    return tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 1)
-
-
 def _mse(model, batch):
     return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 
 
-@pytest.mark.skipif(not _supported(), reason="needs Linux 6.1+ with transparent huge pages")
+@pytest.mark.skipif(not huge_pages_supported(), reason="needs Linux 6.1+ with transparent huge pages")
 def test_large_state_buffers_get_huge_pages_across_donated_steps(sgd_step):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 1 << 18), nn.ReLU(), nn.Linear(1 << 18, 1))  # 8 MiB first weight

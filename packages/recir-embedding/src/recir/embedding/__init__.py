@@ -28,6 +28,7 @@ from ._huge_pages import DEFAULT_MIN_BYTES as HUGE_PAGES_MIN_BYTES
 from ._huge_pages import advise_huge_pages as advise_huge_pages
 from ._huge_pages import advise_large_buffers as advise_large_buffers
 from ._huge_pages import huge_page_bytes as huge_page_bytes
+from ._huge_pages import huge_pages_supported as huge_pages_supported
 from ._huge_pages import thp_mode as thp_mode
 from ._jagged import JaggedBatch as JaggedBatch
 from ._jagged import validate_batch as validate_batch
@@ -131,6 +132,7 @@ __all__ = [
     "advise_huge_pages",
     "advise_large_buffers",
     "huge_page_bytes",
+    "huge_pages_supported",
     "thp_mode",
     "HUGE_PAGES_MIN_BYTES",
     # errors (shared with recir.transforms)

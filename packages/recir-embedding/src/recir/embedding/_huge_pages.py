@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import sys
 from collections.abc import Iterable
 
@@ -42,6 +43,18 @@ def thp_mode() -> str | None:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1 : end] if 0 <= start < end else None
+
+
+def huge_pages_supported() -> bool:
+    """Whether :func:`advise_huge_pages` can back already-written memory here: Linux 6.1+ (``MADV_COLLAPSE``)
+    with transparent huge pages not switched off."""
+    if _madvise() is None or thp_mode() in (None, "never"):
+        return False
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 1)
 
 
 @functools.cache
