@@ -93,7 +93,7 @@ def worker(path: str, rows: int, args: argparse.Namespace) -> dict[str, Any]:
 
     else:
         from recir.capture import capture_train_step
-        from recir.embedding import overrides, prepare_for_lowering
+        from recir.embedding import HUGE_PAGES_MIN_BYTES, overrides, prepare_for_lowering
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -104,7 +104,7 @@ def worker(path: str, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         )
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
         step = capture_train_step(model, opt, _loss_fn, batches[0][0], overrides=overrides())
-        huge_pages = None if args.huge_pages == "off" else 256 << 20
+        huge_pages = None if args.huge_pages == "off" else HUGE_PAGES_MIN_BYTES
         if path == "interpreter":
             runner: Any = prepare_for_lowering(step, backend="in_graph", target="gpu", device="cpu")
         elif path in ("lower_gpu", "lower_gpu_tbe"):

@@ -19,6 +19,7 @@ import jax
 import torch
 from recir.distributed import ShardingPlan, as_plan
 from recir.embedding import (
+    HUGE_PAGES_MIN_BYTES,
     CutHostSplit,
     HostEmbeddings,
     advise_large_buffers,
@@ -70,7 +71,7 @@ class TPUOptions:
     cache_dir: str | None = None
     donate_state: bool = True
     host_checks: bool = True
-    huge_pages_min_bytes: int | None = 256 << 20  # recir.embedding.HUGE_PAGES_MIN_BYTES
+    huge_pages_min_bytes: int | None = HUGE_PAGES_MIN_BYTES
 
 
 class TPUCompiledStep:
