@@ -267,3 +267,48 @@ def test_lower_tpu_low_precision_matmuls_accumulate_in_fp32():
     assert not np.isnan(np.asarray(aten_addmm(nan_bias, a.numpy(), b.numpy(), beta=0))).any()
     # fp32 operands: a plain fp32 product
     torch.testing.assert_close(back(aten_mm(a.numpy(), b.numpy())), a @ b, rtol=1e-4, atol=1e-3)
+
+
+def _dot_operand_dtypes(hlo: str) -> list[tuple[str, str]]:
+    """(lhs, rhs) element types of every dot in an optimised HLO module's text."""
+    import re
+
+    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
+    dots = re.findall(r"= \w+\[[\d,]*\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\)", hlo)
+    return [(types[a], types[b]) for a, b in dots]
+
+
+def test_lower_tpu_bf16_products_with_transposed_operands_stay_bf16_on_xla_cpu(sgd_step):
+    """recir-mixed-precision's backward products read transposes (`dY @ W`, `X^T @ dY`) and a linear's
+    forward reads `W^T`. XLA:CPU upcasts a bf16 product whose operand keeps a transposed layout to fp32
+    (its fast bf16 kernels take row-major operands), so these lowerings keep bf16 transposes row-major:
+    every product of the compiled step reads bf16, and training matches the fp32 step within bf16 noise."""
+    import jax
+    from recir.transforms import MixedPrecision, Pipeline
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks XLA:CPU's product selection")
+    batch = {"x": torch.randn(64, 32, generator=torch.Generator().manual_seed(1)), "y": torch.randn(64, 8)}
+
+    def make():  # no 1-wide product: XLA runs matrix-vector products its own way
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8))
+
+    def loss_fn(model, b):
+        return ((model(b["x"]) - b["y"]) ** 2).mean()
+
+    step = Pipeline([MixedPrecision()]).run(sgd_step(make(), loss_fn, batch))
+    compiled = compile(step)
+    dots = _dot_operand_dtypes(compiled.lower().compile().as_text())
+    assert len(dots) == 8, dots  # 3 forward, 2 + 3 backward (the input needs no gradient)
+    assert all(d == ("bf16", "bf16") for d in dots), dots
+    state = compiled.init_state(make())
+    reference = compile(sgd_step(make(), loss_fn, batch))
+    ref_state = reference.init_state(make())
+    for _ in range(3):
+        state, (loss,) = compiled(state, batch)
+        ref_state, (ref_loss,) = reference(ref_state, batch)
+        torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
+    got, want = compiled.state_dict(state), reference.state_dict(ref_state)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-2, rtol=2e-2, msg=name)
