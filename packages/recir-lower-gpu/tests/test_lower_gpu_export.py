@@ -101,3 +101,25 @@ def test_quantised_serving_graph_exports_with_baked_or_input_state(
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "False"  # no recir module was loaded
     torch.testing.assert_close(torch.load(tmp_path / "inputs.pt.out"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_packages_add_the_bias_after_the_product():
+    """On the CPU, `package` hands AOTInductor each `linear`/`addmm` as a product then a bias add (ATen's
+    CPU addmm copies the broadcast bias into its output first; the add fuses into Inductor's next
+    kernel): same values; a program on another device is left as it is."""
+    from recir.lower_gpu._export import unfuse_bias_products
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    program = torch.export.export(model, (x,))
+    ops = {n.target for n in unfuse_bias_products(program).graph.nodes if n.op == "call_function"}
+    assert ops & {torch.ops.aten.mm.default, torch.ops.aten.matmul.default}, ops
+    assert not ops & {torch.ops.aten.linear.default, torch.ops.aten.addmm.default}, ops
+    torch.testing.assert_close(unfuse_bias_products(program).module()(x), model(x), rtol=0, atol=1e-6)
+    # a captured (ATen-level) graph carries addmm
+    addmm = torch.export.export(model, (x,)).run_decompositions()
+    assert torch.ops.aten.addmm.default in {n.target for n in addmm.graph.nodes}
+    assert torch.ops.aten.addmm.default not in {n.target for n in unfuse_bias_products(addmm).graph.nodes}
+    on_meta = torch.export.export(model.to("meta"), (x.to("meta"),))
+    assert unfuse_bias_products(on_meta) is on_meta
