@@ -75,6 +75,8 @@ def _addmm_as_mm_add(
     out = torch.mm(a, b)
     if alpha != 1:
         out = out * alpha
+    if beta == 0:  # as addmm: the bias is ignored (even NaN)
+        return out
     return out + (bias if beta == 1 else bias * beta)
 
 
