@@ -103,23 +103,32 @@ def test_quantised_serving_graph_exports_with_baked_or_input_state(
     torch.testing.assert_close(torch.load(tmp_path / "inputs.pt.out"), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_packages_add_the_bias_after_the_product():
-    """On the CPU, `package` hands AOTInductor each `linear`/`addmm` as a product then a bias add (ATen's
-    CPU addmm copies the broadcast bias into its output first; the add fuses into Inductor's next
-    kernel): same values; a program on another device is left as it is."""
-    from recir.lower_gpu._export import unfuse_bias_products
+def test_cpu_packages_add_the_bias_after_the_product(tmp_path):
+    """On the CPU, `package` has AOTInductor compute each `linear`/`addmm` as a product then a bias add
+    (ATen's CPU addmm copies the broadcast bias into its output first; the add fuses into Inductor's next
+    kernel), also for 2-d inputs, whose `mm` + add Inductor's own patterns fold back into addmm: the
+    generated code calls no addmm, and the values are the model's."""
+    import zipfile
+
+    from recir.lower_gpu import package
+    from recir.lower_gpu._export import UnfuseCpuAddmm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
-    x = torch.randn(5, 8)
-    program = torch.export.export(model, (x,))
-    ops = {n.target for n in unfuse_bias_products(program).graph.nodes if n.op == "call_function"}
-    assert ops & {torch.ops.aten.mm.default, torch.ops.aten.matmul.default}, ops
-    assert not ops & {torch.ops.aten.linear.default, torch.ops.aten.addmm.default}, ops
-    torch.testing.assert_close(unfuse_bias_products(program).module()(x), model(x), rtol=0, atol=1e-6)
-    # a captured (ATen-level) graph carries addmm
-    addmm = torch.export.export(model, (x,)).run_decompositions()
-    assert torch.ops.aten.addmm.default in {n.target for n in addmm.graph.nodes}
-    assert torch.ops.aten.addmm.default not in {n.target for n in unfuse_bias_products(addmm).graph.nodes}
-    on_meta = torch.export.export(model.to("meta"), (x.to("meta"),))
-    assert unfuse_bias_products(on_meta) is on_meta
+    for name, x in (("rows", torch.randn(5, 8)), ("batched", torch.randn(3, 5, 8))):
+        path = package(torch.export.export(model, (x,)).run_decompositions(), tmp_path / f"{name}.pt2")
+        with zipfile.ZipFile(path) as z:
+            code = "".join(z.read(f).decode() for f in z.namelist() if f.endswith(".cpp"))
+        assert "cpu_mm_out" in code and "cpu_addmm_out" not in code, name
+        got = torch._inductor.aoti_load_package(str(path))(x)
+        torch.testing.assert_close(got, model(x), rtol=0, atol=1e-6)
+    # addmm's beta=0 ignores its bias (even NaN); alpha scales the product
+    a, b, bias = torch.randn(4, 3), torch.randn(3, 2), torch.full((2,), float("nan"))
+    gm = torch.fx.symbolic_trace(lambda bias, a, b: torch.ops.aten.addmm.default(bias, a, b, beta=0, alpha=2))
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta["val"] = torch.empty(4, 2)
+    UnfuseCpuAddmm()(gm.graph)
+    gm.recompile()
+    assert torch.ops.aten.addmm.default not in {n.target for n in gm.graph.nodes}
+    torch.testing.assert_close(gm(bias, a, b), 2 * a @ b)
