@@ -46,7 +46,8 @@ def test_inference_graph_matches_the_eager_model_in_eval_mode():
 
     inf = to_inference(step, "aux.0")
     verify(inf)
-    assert inf.meta["recir.inference"] == {"output": "aux.0", "dropouts_removed": 2, "batch_norms_to_eval": 1}
+    report = {"output": "aux.0", "dropouts_removed": 2, "batch_norms_to_eval": 1, "nodes_narrowed": 0}
+    assert inf.meta["recir.inference"] == report
     assert [o.name for o in inf.signature.outputs] == ["aux.0"]
     kinds = {s.kind for s in inf.signature.state}
     assert kinds == {"param", "buffer"}, kinds  # no optimizer or rng state left

@@ -156,6 +156,14 @@ def test_dlrmv3_inference_graph_equals_eager_eval():
     step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
     inf = verify(to_inference(step))
     assert inf.meta["recir.inference"]["dropouts_removed"] == 3  # input dropout + one per layer
+    # the head reads the candidates' rows: the last layer's query side runs on those rows only
+    assert inf.meta["recir.inference"]["nodes_narrowed"] > 20
+    rows = 4 * (len(model.spec.contextual) + 8 + 3)  # contextual, history and candidate tokens, padded
+    products = [
+        n for n in inf.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    ]
+    assert any(n.meta["val"].shape[0] == 4 * 3 for n in products)  # W_out of the last layer on 12 rows
+    assert sum(n.meta["val"].shape[0] == rows for n in products) == 3  # 2 x uvqk + the first W_out
     assert {s.kind for s in inf.signature.state} <= {"param", "buffer"}  # no optimizer or rng state
     sd = step.state_dict(step.init_state(model, optimizers))
     batch = data.train_batch(1)

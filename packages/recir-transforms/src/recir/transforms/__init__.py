@@ -182,6 +182,7 @@ from ._transforms import RECOMPUTE_KEY as RECOMPUTE_KEY
 from ._transforms import CommonSubexpressionElimination as CommonSubexpressionElimination
 from ._transforms import DeadCodeElimination as DeadCodeElimination
 from ._transforms import MixedPrecision as MixedPrecision
+from ._transforms import Narrow as Narrow
 from ._transforms import PipelineSparse as PipelineSparse
 from ._transforms import Recompute as Recompute
 from ._transforms import SparsePipelineInfo as SparsePipelineInfo
@@ -290,6 +291,7 @@ __all__ = [
     "DeadCodeElimination",
     "CommonSubexpressionElimination",
     "MixedPrecision",
+    "Narrow",
     "Recompute",
     "RECOMPUTE_KEY",
     "transient_peak_bytes",

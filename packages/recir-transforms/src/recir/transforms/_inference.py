@@ -22,10 +22,14 @@ _BN_TRAIN = torch.ops.aten._native_batch_norm_legit_functional.default
 _BN_EVAL = torch.ops.aten._native_batch_norm_legit_no_training.default
 
 
-def to_inference(step: StepGraph, output: str | int = 1) -> StepGraph:
+def to_inference(step: StepGraph, output: str | int = 1, *, narrow: bool = True) -> StepGraph:
     """The inference StepGraph of ``step`` (not modified), returning only user output ``output``: its
     name (``"aux.0"``, as in ``step.signature.outputs``) or index (default 1, the first output after
     the loss). ``meta["recir.inference"]`` records the output and what was rewritten.
+
+    ``narrow`` (default): then ``recir-cleanup-narrow`` computes only the rows that the chosen output
+    reads where it slices a value (a ranking head reading its candidates' rows after the last layer ran
+    every token): the same values, fewer rows.
 
     Raises ``ConfigError`` for an unknown output, or a dropout capture did not tag (a graph captured
     before recir-capture tagged dropouts: capture it again).
@@ -82,4 +86,9 @@ def to_inference(step: StepGraph, output: str | int = 1) -> StepGraph:
         batch_spec=sig.batch_spec,
     )
     report = {"output": names[index], "dropouts_removed": dropouts, "batch_norms_to_eval": batch_norms}
-    return fwd.replace(graph_module=gm, signature=signature, meta={**fwd.meta, INFERENCE_KEY: report})
+    served = fwd.replace(graph_module=gm, signature=signature, meta={**fwd.meta, INFERENCE_KEY: report})
+    if narrow:
+        from ._transforms.narrow import Narrow
+
+        report["nodes_narrowed"] = Narrow().run(served).stats["narrowed"]
+    return served

@@ -3,6 +3,8 @@
 from .cse import CommonSubexpressionElimination as CommonSubexpressionElimination
 from .dce import DeadCodeElimination as DeadCodeElimination
 from .mixed_precision import MixedPrecision as MixedPrecision
+from .narrow import Narrow as Narrow
+from .narrow import Narrowing as Narrowing
 from .pipeline_sparse import PIPELINE_SPARSE_KEY as PIPELINE_SPARSE_KEY
 from .pipeline_sparse import PipelineSparse as PipelineSparse
 from .pipeline_sparse import SparsePipelineInfo as SparsePipelineInfo
@@ -16,6 +18,8 @@ __all__ = [
     "CommonSubexpressionElimination",
     "DeadCodeElimination",
     "MixedPrecision",
+    "Narrow",
+    "Narrowing",
     "PipelineSparse",
     "Recompute",
     "SparsePipelineInfo",
