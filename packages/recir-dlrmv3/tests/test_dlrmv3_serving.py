@@ -83,7 +83,7 @@ def test_candidates_against_one_cached_history_equal_full_sequence_scores(traine
     assert (
         keys.shape
         == values.shape
-        == (4, model.config.num_layers, model.config.num_heads, L, model.config.head_dim)
+        == (model.config.num_layers, 4, model.config.num_heads, L, model.config.head_dim)
     )
 
 

@@ -92,7 +92,10 @@ def _check_model(model: DLRMv3) -> DLRMv3:
 
 class HistoryEncoder(nn.Module):
     """`forward(uih_ids, uih_timestamps, uih_actions, uih_lengths, contextual_ids, max_seq_len) ->
-    (keys, values [B, layers, H, n_ctx + L, A], query_time [B], max_seq_len [B])`: the cache."""
+    (keys, values [layers, B, H, n_ctx + L, A], query_time [B], max_seq_len [B])`: the cache. Layer-major,
+    so each layer's keys and values are one contiguous [B * H, n_ctx + L, A] block for the scorer's
+    batched products (a [B, layers, ...] cache made AOTInductor copy both per layer: 3.5 ms each at batch
+    256 of the small serving model)."""
 
     def __init__(self, model: DLRMv3) -> None:
         super().__init__()
@@ -140,7 +143,7 @@ class HistoryEncoder(nn.Module):
             values.append(v * keep)
             if i + 1 < len(m.layers):  # the last layer's history outputs feed nothing
                 x = layer.combine(x, u, layer.attention(q, k, v, mask, norm))
-        return torch.stack(keys, dim=1), torch.stack(values, dim=1), query_time, max_seq_len
+        return torch.stack(keys), torch.stack(values), query_time, max_seq_len
 
 
 class CandidateScorer(nn.Module):
@@ -172,9 +175,9 @@ class CandidateScorer(nn.Module):
         norm = max_seq_len[:, None, None].to(x.dtype)
         for i, layer in enumerate(m.layers):
             u, q, k, v = layer.project(x)  # q, k, v [B, H, C, A]
-            hist = F.silu(layer.alpha * (q @ keys[:, i].transpose(-1, -2))) / norm[..., None]
+            hist = F.silu(layer.alpha * (q @ keys[i].transpose(-1, -2))) / norm[..., None]
             own = F.silu(layer.alpha * (q * k).sum(dim=-1)) / norm  # a candidate sees itself only
-            x = layer.combine(x, u, hist @ values[:, i] + own[..., None] * v)
+            x = layer.combine(x, u, hist @ values[i] + own[..., None] * v)
         tf = time_features(query_time)[:, None, :].expand(B, C, 4).to(x.dtype)
         user = m.output_norm(m.time_combiner(torch.cat([x, tf], dim=-1)))
         result: torch.Tensor = m.head(user * m.item_tower(cand_e))
