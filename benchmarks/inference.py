@@ -38,6 +38,21 @@ def _timed(fn: Callable[[], Any], rounds: int, min_seconds: float) -> float:
     return statistics.median(out)
 
 
+def _pin(threads: int) -> str:
+    """Run this process (and the threads it starts) on `threads` of its cores, before JAX sizes its CPU
+    thread pool from them: eager torch, the AOTInductor packages and the JAX artifacts then compute on
+    the same cores. Returns them, e.g. "0" ("all" where affinity cannot be set)."""
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        return "all"
+    allowed = sorted(os.sched_getaffinity(0))
+    if threads >= len(allowed):
+        return ",".join(map(str, allowed))
+    os.sched_setaffinity(0, allowed[:threads])
+    return ",".join(map(str, allowed[:threads]))
+
+
 def _first_output(call: Callable[..., Any]) -> Callable[..., Any]:
     return lambda *a: call(*a)[0]
 
@@ -148,11 +163,15 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
         rows.append(("eager, cached history: history + candidates",
                      time_it(lambda: score(*encode(*history.tensors()), cand_ids)), got))  # fmt: skip
         rows.append(("eager, cached history: candidates only", time_it(lambda: score(*cache, cand_ids)), got))
-    for target in args.paths:
-        out = work / f"cached.{B}.{target}"
-        manifest = export_cached_history(model, target, out, batch_size=B, num_candidates=args.candidates)
+    for target, precision in [(t, p) for t in args.paths for p in ("fp32", "bf16")[: 1 + args.bf16]]:
+        out = work / f"cached.{B}.{target}.{precision}"
+        manifest = export_cached_history(
+            model, target, out, batch_size=B, num_candidates=args.candidates, precision=precision
+        )
         files = [work / manifest["entries"][n]["file"] for n in ("history", "candidates")]
-        name = {"gpu": "GPU path .pt2", "tpu": "TPU path jax.export"}[target]
+        name = {"gpu": "GPU path .pt2", "tpu": "TPU path jax.export"}[target] + (
+            " bf16" if precision == "bf16" else ""
+        )
         if target == "gpu":
             hist_fn, cand_fn = (torch._inductor.aoti_load_package(str(f)) for f in files)
             h_in: list[Any] = list(history.tensors())
@@ -187,7 +206,8 @@ def main() -> None:
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads (default %(default)s; see the README on contention)",
+        help="CPU cores for every stack (default %(default)s): torch's threads, and the process pinned to "
+        "that many cores, which also bounds XLA:CPU's thread pool (JAX takes every core it may run on)",
     )
     p.add_argument(
         "--rounds", type=int, default=3, help="timed rounds, the median reported (default %(default)s)"
@@ -198,7 +218,8 @@ def main() -> None:
     p.add_argument(
         "--bf16",
         action="store_true",
-        help="also time full-sequence artifacts with bf16 matrix products (export --precision bf16)",
+        help="also time the artifacts with bf16 matrix products (export --precision bf16), full sequence "
+        "and cached history",
     )
     p.add_argument("--workdir", default=None, help="where the artifacts go (default: a temporary directory)")
     args = p.parse_args()
@@ -207,8 +228,9 @@ def main() -> None:
     if bad:
         p.error(f"--paths takes gpu and/or tpu, got {bad}")
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    cores = _pin(args.threads)
     print(f"DLRMv3 serving: UIH {args.uih}, {args.candidates} candidates/user, dim {args.embedding_dim}, "
-          f"{args.num_layers} layers, {args.num_heads} heads, {args.hash_size} rows/table, {args.threads} threads")  # fmt: skip
+          f"{args.num_layers} layers, {args.num_heads} heads, {args.hash_size} rows/table, {args.threads} threads, cores {cores}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -218,12 +240,12 @@ def main() -> None:
             full = {name.split(",")[0]: ms for name, ms, _ in rows if name.endswith("full sequence")}
             print(f"\nbatch {B} ({B * args.candidates} candidates)")
             print(
-                f"{'path':<58} {'ms/batch':>9} {'users/s':>9} {'x eager':>8} {'x full':>7} {'max |dlogit|':>12}"
+                f"{'path':<66} {'ms/batch':>9} {'users/s':>9} {'x eager':>8} {'x full':>7} {'max |dlogit|':>12}"
             )
             for name, ms, d in rows:
                 stack = "eager eval()" if name.startswith("eager") else name.split(",")[0]
                 x_full = f"{full[stack] / ms:>7.2f}" if "cached" in name and stack in full else f"{'':>7}"
-                print(f"{name:<58} {ms:>9.2f} {B / (ms / 1000):>9.1f} {eager / ms:>8.2f} {x_full} {d:>12.1e}")
+                print(f"{name:<66} {ms:>9.2f} {B / (ms / 1000):>9.1f} {eager / ms:>8.2f} {x_full} {d:>12.1e}")
 
 
 if __name__ == "__main__":

@@ -133,15 +133,6 @@ def test_bf16_export_runs_its_products_in_bf16_within_the_measured_delta(trained
     assert got["vvp100/accuracy"] == pytest.approx(metrics["vvp100/accuracy"], abs=QUANT_METRIC_BOUND)
 
 
-def test_bf16_export_refuses_cached_history(trained, tmp_path):
-    from recir.transforms import ConfigError
-
-    ckpt, _ = trained
-    with pytest.raises(ConfigError, match="--precision bf16 applies to --serving full only"):
-        export_model(str(ckpt), "gpu", str(tmp_path / "m"), log=lambda _line: None, serving="cached-history",
-                     precision="bf16")  # fmt: skip
-
-
 def test_export_cli_quantize_and_bake_flags(trained, tmp_path, capsys):
     ckpt, _ = trained
     out = tmp_path / "model.tpu"

@@ -108,6 +108,28 @@ def test_exported_history_and_candidate_artifacts_equal_full_sequence_scores(tra
         assert _max_delta(full, candidates_fn(*cache, cand_ids), real) <= TOL
 
 
+#: bf16 cached-history artifacts against eager fp32 full-sequence scoring, 4 users x 64 candidates:
+#: max |logit delta| 1.7e-3 (jax.export) and 2.3e-3 (AOTInductor); the bound is about 4-6x that. Above 1e-4: the products did run in
+#: bf16 (fp32 artifacts stay within 1e-5).
+BF16_LOGIT_BOUND = 1e-2
+
+
+@pytest.mark.parametrize("target", ["tpu", "gpu"], ids=["jax-export", "aot-inductor"])
+def test_bf16_cached_history_artifacts_run_their_products_in_bf16(trained, target, tmp_path):
+    ckpt, model, data = trained
+    out = tmp_path / f"serve.{target}"
+    manifest = export_model(str(ckpt), target, str(out), log=lambda _line: None, serving="cached-history",
+                            candidates=64, precision="bf16")  # fmt: skip
+    assert manifest["precision"] == "bf16"
+    history_fn, candidates_fn = load_cached_history(out)
+    batch, history, cand_ids, real = _requests(model, data, 64)
+    with torch.no_grad():
+        full = model(batch)
+    delta = _max_delta(full, candidates_fn(*history_fn(*history.tensors()), cand_ids), real)
+    print(f"bf16 cached history {target}: max |logit delta| {delta:.2e}")
+    assert 1e-4 < delta <= BF16_LOGIT_BOUND
+
+
 def test_bad_requests_are_config_errors(trained, tmp_path):
     ckpt, model, _ = trained
     model.train()

@@ -330,8 +330,9 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
         "--precision",
         choices=("fp32", "bf16"),
         default="fp32",
-        help="bf16: the matrix products on bf16 copies of their operands (recir-mixed-precision; parameters "
-        "and every other op stay fp32); --serving full only (default %(default)s)",
+        help="bf16: the matrix products on bf16 copies of their operands (recir-mixed-precision on --serving "
+        "full; the same casts on both cached-history artifacts); parameters and every other op stay fp32 "
+        "(default %(default)s)",
     )
     ex.add_argument(
         "--bake", action="store_true", help="compile the parameters into the artifact (no OUT.state.npz)"

@@ -67,7 +67,8 @@ def export_model(
     `out.history` and `out.candidates` (`_serving_export`), the parameters baked, each user scored
     against `candidates` candidates (default: the trained `--num_candidates`; any count on the GPU stack).
     `precision="bf16"`: the serving graph's matrix products on bf16 copies of their fp32 operands, results
-    back in fp32 (`recir-mixed-precision`, forward phase); parameters stay fp32."""
+    back in fp32 (`recir-mixed-precision`, forward phase; on cached-history artifacts the same casts,
+    `_serving_export.bf16_products`); parameters stay fp32."""
     from recir.capture import capture_train_step, load_into
     from recir.distributed import write_atomically
     from recir.embedding import QUANT_DTYPES, QuantizeTables, overrides
@@ -86,11 +87,6 @@ def export_model(
         raise ConfigError(f"--serving must be full or cached-history, got {serving!r}")
     if precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision must be fp32 or bf16 for export, got {precision!r}")
-    if serving == "cached-history" and precision != "fp32":
-        raise ConfigError(
-            "--serving cached-history exports fp32 artifacts; --precision bf16 applies to --serving full "
-            "only. Fix: drop --precision, or export --serving full"
-        )
     if serving == "cached-history" and quantize is not None:
         raise ConfigError(
             "--serving cached-history reads float32 tables; --quantize applies to --serving full only. "
@@ -108,8 +104,9 @@ def export_model(
                 "options": dataclasses.asdict(opts)}  # fmt: skip
         count = opts.num_candidates if candidates is None else candidates
         manifest = export_cached_history(
-            model, target, out, batch_size=opts.batch_size, num_candidates=count, extra={"dlrmv3": info}
-        )
+            model, target, out, batch_size=opts.batch_size, num_candidates=count, precision=precision,
+            extra={"dlrmv3": info},
+        )  # fmt: skip
         log(
             f"export: wrote {out}.history, {out}.candidates (cached-history serving) and {Path(out).name}.json"
         )

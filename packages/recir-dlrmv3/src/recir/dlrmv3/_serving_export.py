@@ -50,16 +50,21 @@ def export_cached_history(
     batch_size: int,
     num_candidates: int,
     max_candidates: int = 4096,
+    precision: str = "fp32",
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write `model` (in `eval()`) as the history and candidate artifacts for `target` (gpu|tpu) at
     `out`.history / `out`.candidates and the manifest `out`.json; returns the manifest. The example
     shapes: `batch_size` users, `num_candidates` candidates each (the TPU artifacts keep them; on the
-    GPU stack the candidate count may be anything in 1..`max_candidates`)."""
+    GPU stack the candidate count may be anything in 1..`max_candidates`). `precision="bf16"`: every
+    matrix product on bf16 copies of its fp32 operands, its result back in fp32 (`bf16_products`); the
+    cache and every other op stay fp32."""
     from recir.distributed import write_atomically
 
     if target not in ("gpu", "tpu"):
         raise ConfigError(f"cached-history export: target must be gpu or tpu, got {target!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError(f"cached-history export: precision must be fp32 or bf16, got {precision!r}")
     if not 1 <= num_candidates <= max_candidates:
         raise ConfigError(
             f"cached-history export: num_candidates {num_candidates} is outside 1..max_candidates "
@@ -80,6 +85,8 @@ def export_cached_history(
             count = torch.export.Dim("candidates", min=1, max=max_candidates)
             dynamic = (None, None, None, None, {1: count})
         program = torch.export.export(modules[name], examples[name], dynamic_shapes=dynamic)
+        if precision == "bf16":
+            program = bf16_products(program)
         if target == "gpu":
             from recir.lower_gpu import package
 
@@ -102,12 +109,45 @@ def export_cached_history(
         else "jax.export (StableHLO), exp.call(*inputs), x64",
         "versions": {"torch": torch.__version__},
         "max_seq_len": serving_max_len(model),
+        "precision": precision,
         "dynamic_candidates": [1, max_candidates] if target == "gpu" else None,
         "entries": entries,
         **(extra or {}),
     }
     write_atomically(f"{out}.json", json.dumps(manifest, indent=2))
     return manifest
+
+
+def _low(t: Any) -> Any:
+    return t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+
+def _product_in_bf16(op: Any) -> Callable[..., Any]:
+    def product(*args: Any, **kwargs: Any) -> Any:
+        if not any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+            return NotImplemented  # already bf16 (the call below): the op itself
+        return op(*(_low(a) for a in args), **kwargs).to(torch.float32)
+
+    return product
+
+
+def _linear_in_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    rows = _low(x).reshape(-1, x.shape[-1])
+    out = torch.ops.aten.mm.default(rows, _low(w).t()).to(torch.float32).reshape(*x.shape[:-1], w.shape[0])
+    return out if b is None else out + b
+
+
+def bf16_products(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`program` with every `linear`/`matmul`/`mm`/`bmm` on bf16 copies of its fp32 operands and its result
+    cast back to fp32 (the bias added in fp32): what recir-mixed-precision does to a StepGraph's forward
+    products, for the hand-written serving modules. Weights baked as constants are cast once at compile
+    time by the compilers' constant folding."""
+    aten = torch.ops.aten
+    table: dict[Any, Callable[..., Any]] = {
+        op: _product_in_bf16(op) for op in (aten.matmul.default, aten.mm.default, aten.bmm.default)
+    }
+    table[aten.linear.default] = _linear_in_bf16
+    return program.run_decompositions(table)
 
 
 def _jax_export(program: torch.export.ExportedProgram, example: tuple[torch.Tensor, ...]) -> bytes:
