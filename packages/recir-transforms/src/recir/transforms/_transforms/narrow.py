@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .._errors import RecIRError
 from .._step import StepGraph
 from .._transform import Transform, TransformResult, register_transform
 from .dce import DeadCodeElimination
@@ -102,6 +103,8 @@ def _elementwise(node: fx.Node, nar: Narrowing, out: tuple[int, ...]) -> Rule | 
             needs.append((a, need))
         elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
             return None
+    if all(need is None for _, need in needs):
+        return None  # no input carries the narrowed axis (a broadcast or a constructor): nothing to narrow
     table = dict(needs)
 
     def build(get: Getter) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -328,7 +331,8 @@ class Narrow(Transform):
                     if isinstance(built, fx.Node):  # a slice of a slice: the input narrowed further
                         narrowed[node] = built
                         continue
-                    narrowed[node] = _call(graph, node, node.target, *built)
+                    narrowed[node] = new = _call(graph, node, node.target, *built)
+                _check_rows(node, new, nar)
             elif (seed := _seed(node)) is not None and node.args[0] in narrowed:
                 base: fx.Node = node.args[0]  # type: ignore[assignment]
                 if request.get(base) == seed:  # a slice read whole: its value is the narrowed input
@@ -388,6 +392,24 @@ def _call(
     new = graph.call_function(target, args, kwargs)
     new.meta = {**_meta(like), "val": val}
     return new
+
+
+def _check_rows(old: fx.Node, new: fx.Node, nar: Narrowing) -> None:
+    """The narrowed node has the old one's shape with ``nar``'s axis shortened (each output of a tuple)."""
+    olds, news = _val(old), _val(new)
+    olds, news = (olds, news) if isinstance(olds, (tuple, list)) else ((olds,), (news,))
+    for a, b in zip(olds, news):
+        if not isinstance(a, torch.Tensor):
+            continue
+        want = list(a.shape)
+        want[nar.dim] = nar.size()
+        if not isinstance(b, torch.Tensor) or list(b.shape) != want:
+            got = list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise RecIRError(
+                f"recir-cleanup-narrow: %{old.name} narrowed by {nar} computes {got}, expected {want}. "
+                "This is a bug in the transform's rule for "
+                f"{old.target}; skip the transform (to_inference(..., narrow=False)) and report it"
+            )
 
 
 def _meta(node: fx.Node) -> dict[str, Any]:
