@@ -78,16 +78,24 @@ def test_narrow_leaves_values_that_are_also_read_whole():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_narrow_ignores_strided_and_whole_slices():
+def test_narrow_ignores_strided_and_whole_slices_and_inputs_needed_both_ways():
     def fn(state, batch):
         (w,) = state
         (x,) = batch
         y = torch.sigmoid(x @ w)
-        return [w], [y[::2], y[:, 0:], y[:, :]]
+        t = torch.tanh(w)
+        sq = t @ t  # rows of the product need t narrowed as the first operand and whole as the second
+        return [w], [y[::2], y[:, 0:], y[:, :], sq[1:3]]
 
     step, state, batch = trace_step(
-        fn, {"param:w": ("param", torch.randn(4, 4))}, {"x": ("dense", torch.randn(6, 4))}, ["a", "b", "c"]
+        fn,
+        {"param:w": ("param", torch.randn(4, 4))},
+        {"x": ("dense", torch.randn(6, 4))},
+        ["a", "b", "c", "d"],
     )
+    _, expected = step(state, batch)
     before = step.format_graph()
     assert not Narrow().run(step).changed
     assert step.format_graph() == before
+    _, got = step(state, batch)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -145,7 +145,18 @@ def _view_input(inp: tuple[int, ...], out: tuple[int, ...], nar: Narrowing) -> N
 
 
 def _rule(node: fx.Node, nar: Narrowing) -> Rule | None:
-    """How to narrow ``node``'s output by ``nar``, or None where this transform does not know."""
+    """How to narrow ``node``'s output by ``nar``, or None where this transform does not know or where
+    one input would be needed both narrowed and whole (``x @ x`` narrowed by rows)."""
+    rule = _op_rule(node, nar)
+    if rule is not None:
+        needs: dict[fx.Node, Narrowing | None] = {}
+        for inp, need in rule[0]:
+            if needs.setdefault(inp, need) != need:
+                return None
+    return rule
+
+
+def _op_rule(node: fx.Node, nar: Narrowing) -> Rule | None:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         if node.op == "call_function" and target is operator.getitem:
