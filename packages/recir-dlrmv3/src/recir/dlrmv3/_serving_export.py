@@ -140,8 +140,9 @@ def _linear_in_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
 def bf16_products(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """`program` with every `linear`/`matmul`/`mm`/`bmm` on bf16 copies of its fp32 operands and its result
     cast back to fp32 (the bias added in fp32): what recir-mixed-precision does to a StepGraph's forward
-    products, for the hand-written serving modules. Weights baked as constants are cast once at compile
-    time by the compilers' constant folding."""
+    products, for the hand-written serving modules. The casts of baked weights stay in the program (whether
+    a compiler folds them into bf16 constants was not checked; the weights are small next to the
+    activations here)."""
     aten = torch.ops.aten
     table: dict[Any, Callable[..., Any]] = {
         op: _product_in_bf16(op) for op in (aten.matmul.default, aten.mm.default, aten.bmm.default)
