@@ -155,6 +155,49 @@ def test_dlrmv3_factored_mask_equals_the_dense_mask_with_gradients():
     assert (3, 2, 14, 11) in shapes and not any(s[-2:] == (14, 14) for s in shapes)
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_dlrmv3_candidate_rows_equal_the_whole_layers_with_gradients(layout):
+    # STULayer.forward_candidates (DLRMv3's last layer) computes the query side for the candidate slots
+    # only: their rows and every gradient (input, parameters) equal the whole layer's candidate rows,
+    # for padded history, padded candidates and an empty history, on padded and packed inputs.
+    torch.manual_seed(0)
+    lengths, ncand = torch.tensor([9, 4, 0]), torch.tensor([3, 1, 2])
+    mask = TargetAwareMask(valid_tokens(2, 9, lengths, ncand, 3), prefix=2 + 9)
+    B, N, D = 3, 14, 8
+    x = torch.randn(B, N, D, dtype=torch.float64, requires_grad=True)
+    layer = STULayer(dim=D, num_heads=2, head_dim=4, dropout=0.0).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    index = mask.valid.reshape(-1).nonzero().squeeze(1)  # the real tokens' slots, as a token budget packs
+    weight = torch.randn(B, 3, D, dtype=torch.float64)  # candidate rows weighted by a random cotangent
+    if layout == "padded":
+        whole = layer(x, mask, torch.tensor(N))[:, 11:]
+        cand = layer(x, mask, torch.tensor(N), candidates_only=True)
+    else:
+        rows = x.reshape(B * N, D)[index]
+        out = layer(rows, mask, torch.tensor(N), packed=(index, (B, N)))
+        whole = out.new_zeros(B * N, D).index_copy(0, index, out).view(B, N, D)[:, 11:]
+        cand = layer(rows, mask, torch.tensor(N), packed=(index, (B, N)), candidates_only=True)
+    real = torch.arange(3)[None, :] < ncand[:, None]
+    weight = weight * real[..., None]  # padded candidates: packed rows leave them out
+    assert cand.shape == (B, 3, D)
+    torch.testing.assert_close(cand[real], whole[real], rtol=1e-12, atol=1e-12)
+    params = [x, *layer.parameters()]
+    ref = torch.autograd.grad((whole * weight).sum(), params, allow_unused=True, retain_graph=True)
+    got = torch.autograd.grad((cand * weight).sum(), params, allow_unused=True)
+    for name, g, r in zip(["x", *(n for n, _ in layer.named_parameters())], got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12, msg=name)
+    assert float(ref[0][:, :11].abs().sum()) > 0  # the history rows get gradient through keys and values
+    # the query side's products run on the candidate rows only: no [rows, H * A] q or u product
+    graph = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda x: layer(x, mask, torch.tensor(N), candidates_only=True)
+    )(x.detach())
+    products = [
+        n for n in graph.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    ]
+    assert sorted(n.meta["val"].shape[0] for n in products) == [B * 3] * 3 + [B * N] * 2
+
+
 def test_dlrmv3_attention_blocks_automatic_and_checked():
     layer = STULayer(dim=8, num_heads=2, head_dim=4, dropout=0.0)
     q = k = v = torch.zeros(1, 2, STULayer.BLOCKED_FROM, 4)

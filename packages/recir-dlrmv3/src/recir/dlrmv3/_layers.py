@@ -165,15 +165,82 @@ class STULayer(nn.Module):
         mask: torch.Tensor | TargetAwareMask,
         max_len: torch.Tensor,
         packed: tuple[torch.Tensor, tuple[int, int]] | None = None,
+        candidates_only: bool = False,
     ) -> torch.Tensor:
         """x [B, N, D], mask: a `TargetAwareMask` or [B, N, N] bool and causal (no query sees a later
         slot, as `attention_mask` builds it), max_len: 0-d tensor (the batch's longest sequence).
         `packed` = (index, (B, N)): x holds packed rows, see `forward_packed` (called through here, so
-        module hooks and capture's module scopes see the layer)."""
+        module hooks and capture's module scopes see the layer). `candidates_only`: the candidate slots'
+        output only ([B, C, D], `forward_candidates`; the mask must be a `TargetAwareMask`)."""
+        if candidates_only:
+            if not isinstance(mask, TargetAwareMask):
+                raise TypeError("STULayer: candidates_only needs a TargetAwareMask (the prefix it names)")
+            return self.forward_candidates(x, mask, max_len, packed)
         if packed is not None:
             return self.forward_packed(x, packed[0], packed[1], mask, max_len)
         u, q, k, v = self.project(x)
         return self.combine(x, u, self.attention(q, k, v, mask, max_len))
+
+    def forward_candidates(
+        self,
+        x: torch.Tensor,
+        mask: TargetAwareMask,
+        max_len: torch.Tensor,
+        packed: tuple[torch.Tensor, tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
+        """The layer's output on the candidate slots only (`mask.prefix` onward): [B, C, D].
+
+        For a last layer whose other rows feed nothing. Every slot's keys and values are computed (the
+        candidates attend to the whole prefix), queries, `u`, the attention, its norm and the output
+        projection only for the candidate rows: a candidate sees the valid prefix and itself, so its row
+        equals `forward`'s (up to summation order) with about C / N of the query-side work. x as
+        `forward` takes it: [B, N, D], or packed rows with `packed` = (index, (B, N)). Run through
+        `layer(..., candidates_only=True)` so module hooks and scopes see the layer."""
+        H, A, p = self.num_heads, self.head_dim, mask.prefix
+        weight, bias = self.uvqk.weight, self.uvqk.bias  # rows: u, v, q, k (H * A each)
+
+        def part(t: torch.Tensor, i: int) -> torch.Tensor:
+            return F.linear(t, weight[i * H * A : (i + 1) * H * A], bias[i * H * A : (i + 1) * H * A])
+
+        normed = self.input_norm(x)
+        if packed is None:
+            B, N, D = x.shape
+            v, k = (part(normed, i).view(B, N, H, A).transpose(1, 2) for i in (1, 3))
+            x_c, normed_c = x[:, p:], normed[:, p:]
+        else:
+            index, (B, N) = packed
+            D = x.shape[-1]
+            at = (index // N)[:, None], torch.arange(H, device=x.device)[None, :], (index % N)[:, None]
+            v, k = (
+                normed.new_zeros(B, H, N, A).index_put(at, part(normed, i).view(-1, H, A)) for i in (1, 3)
+            )
+            x_c = x.new_zeros(B * N, D).index_copy(0, index, x).view(B, N, D)[:, p:]
+            normed_c = self.input_norm(x_c)  # row-wise: the candidate rows' norm
+        C = x_c.shape[1]
+        u = F.silu(part(normed_c, 0))
+        q = part(normed_c, 2).view(B, C, H, A).transpose(1, 2)
+        keep = mask.valid[:, None, :, None].to(q.dtype)  # [B, 1, N, 1]
+        attn = self.candidate_attention(
+            q, k[:, :, p:], v[:, :, p:], k[:, :, :p] * keep[:, :, :p], v[:, :, :p], max_len.to(q.dtype)
+        )
+        return self.combine(x_c, u, attn * keep[:, :, p:])
+
+    def candidate_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prefix_keys: torch.Tensor,
+        prefix_values: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """Candidates' attention: each candidate (q, k, v [B, H, C, A]) against the prefix's keys and
+        values ([B, H, P, A], padded keys zeroed: SiLU(0) = 0) and itself, none against another; scale
+        the normaliser, broadcastable to [B, 1, 1]. [B, H, C, A]."""
+        scale = scale.reshape(-1, 1, 1, 1) if scale.dim() else scale
+        scores = F.silu(self.alpha * (q @ prefix_keys.transpose(-1, -2))) / scale
+        own = F.silu(self.alpha * (q * k).sum(dim=-1, keepdim=True)) / scale
+        return scores @ prefix_values + own * v
 
     def forward_packed(
         self,

@@ -148,22 +148,30 @@ class DLRMv3(nn.Module):
 
         valid = valid_tokens(n_ctx, L, lengths, ncand, C)
         x = F.dropout(x, cfg.input_dropout, self.training) * valid[..., None].to(x.dtype)
-        mask: torch.Tensor | TargetAwareMask = TargetAwareMask(valid, prefix=n_ctx + L)
+        target_mask = TargetAwareMask(valid, prefix=n_ctx + L)
+        mask: torch.Tensor | TargetAwareMask = target_mask
         if self.FACTORED_MASK_FROM * x.shape[1] > C:
             mask = mask.dense()
         max_len = batch.max_seq_len.max()  # the global batch's longest sequence (see Batch)
+        # Only the candidates' rows of the last layer's output are read (the postprocessor below), so the
+        # last layer computes its query side for those rows alone (STULayer.forward_candidates).
+        *layers, last = self.layers if len(self.layers) else (None,)
         if batch.packed:  # per-token work on the batch's token rows only (Batch.token_index)
             index, N = batch.token_index, x.shape[1]
+            packed = (index, (B, N))
             rows = take(x.reshape(B * N, D), index)
-            for layer in self.layers:
-                rows = layer(rows, mask, max_len, packed=(index, (B, N)))
-            x = rows.new_zeros(B * N, D).index_copy(0, index, rows).view(B, N, D)
+            for layer in layers:
+                rows = layer(rows, mask, max_len, packed=packed)
+            if last is None:
+                user = rows.new_zeros(B * N, D).index_copy(0, index, rows).view(B, N, D)[:, n_ctx + L :]
+            else:
+                user = last(rows, target_mask, max_len, packed=packed, candidates_only=True)
         else:
-            for layer in self.layers:
+            for layer in layers:
                 x = layer(x, mask, max_len)
+            user = x[:, n_ctx + L :] if last is None else last(x, target_mask, max_len, candidates_only=True)
 
         # Postprocessor on candidates: hour/day cos/sin -> Linear -> LN.
-        user = x[:, n_ctx + L :, :]
         tf = time_features(query_time)[:, None, :].expand(B, C, 4).to(user.dtype)
         user = self.output_norm(self.time_combiner(torch.cat([user, tf], dim=-1)))
         item = self.item_tower(cand_e)

@@ -172,12 +172,10 @@ class CandidateScorer(nn.Module):
         pos = position_ids(n_ctx, 0, C, query_time.new_zeros(B), cfg.num_position_buckets)[:, n_ctx:]
         tb = time_buckets(query_time, query_time[:, None].expand(B, C), cfg.num_time_buckets)
         x = x * math.sqrt(cfg.embedding_dim) + F.embedding(pos, m.position_emb) + F.embedding(tb, m.time_emb)
-        norm = max_seq_len[:, None, None].to(x.dtype)
+        norm = max_seq_len.to(x.dtype)
         for i, layer in enumerate(m.layers):
             u, q, k, v = layer.project(x)  # q, k, v [B, H, C, A]
-            hist = F.silu(layer.alpha * (q @ keys[i].transpose(-1, -2))) / norm[..., None]
-            own = F.silu(layer.alpha * (q * k).sum(dim=-1)) / norm  # a candidate sees itself only
-            x = layer.combine(x, u, hist @ values[i] + own[..., None] * v)
+            x = layer.combine(x, u, layer.candidate_attention(q, k, v, keys[i], values[i], norm))
         tf = time_features(query_time)[:, None, :].expand(B, C, 4).to(x.dtype)
         user = m.output_norm(m.time_combiner(torch.cat([x, tf], dim=-1)))
         result: torch.Tensor = m.head(user * m.item_tower(cand_e))
