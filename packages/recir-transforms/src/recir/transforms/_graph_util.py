@@ -16,6 +16,11 @@ from ._step import _fmt_val, format_node
 _IDENTITY_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
+def node_val(node: Any) -> Any:
+    """A node's ``meta["val"]`` (its example value), or None for a non-node argument or a node without one."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
 def format_val(val: Any) -> str:
     """``float32[4, 8]`` for a tensor, a tuple of those for multi-output nodes, ``repr`` otherwise."""
     return "None" if val is None else _fmt_val(val)

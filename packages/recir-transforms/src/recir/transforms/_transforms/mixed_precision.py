@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from .._errors import ConfigError
+from .._graph_util import node_val
 from .._step import PHASE_KEY, SCOPE_KEY, StepGraph
 from .._transform import Transform, TransformResult, register_transform
 
@@ -42,10 +43,6 @@ _VIEWS = {
     _aten.squeeze.dim,
     _aten.squeeze.dims,
 }
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 @register_transform
@@ -112,13 +109,13 @@ class MixedPrecision(Transform):
             if node.target.overloadpacket.__name__ not in self.options.ops:
                 continue
             operands = [node.args[i] for i in positions]
-            if not all(_val(a) is not None and _val(a).dtype == torch.float32 for a in operands):
+            if not all(node_val(a) is not None and node_val(a).dtype == torch.float32 for a in operands):
                 continue  # already low precision, or an operand without a value: leave it
             args = list(node.args)
             for i in positions:
                 args[i] = self._low(graph, args[i], low, node, casts)
             node.args = tuple(args)
-            node.meta["val"] = node.target(*[_val(a) if isinstance(a, fx.Node) else a for a in args])
+            node.meta["val"] = node.target(*[node_val(a) if isinstance(a, fx.Node) else a for a in args])
             with graph.inserting_after(node):
                 back = graph.create_node(
                     "call_function",
@@ -128,7 +125,7 @@ class MixedPrecision(Transform):
                     name=f"{node.name}_f32",
                 )
             node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
-            back.meta.update({PHASE_KEY: node.meta[PHASE_KEY], "val": _val(node).to(torch.float32)})
+            back.meta.update({PHASE_KEY: node.meta[PHASE_KEY], "val": node_val(node).to(torch.float32)})
             if SCOPE_KEY in node.meta:
                 back.meta[SCOPE_KEY] = node.meta[SCOPE_KEY]
             name = str(node.target.overloadpacket.__name__)
@@ -149,7 +146,7 @@ class MixedPrecision(Transform):
         if src in memo:
             return memo[src]
         base = src.args[0] if src.op == "call_function" and src.target in _VIEWS and src.args else None
-        if isinstance(base, fx.Node) and _val(base) is not None and _val(base).dtype == torch.float32:
+        if isinstance(base, fx.Node) and node_val(base) is not None and node_val(base).dtype == torch.float32:
             target, args = src.target, (self._low(graph, base, dtype, user, memo), *src.args[1:])
         else:
             target, args = _aten._to_copy.default, (src,)
@@ -157,7 +154,7 @@ class MixedPrecision(Transform):
         kwargs = {"dtype": dtype} if target is _aten._to_copy.default else dict(src.kwargs)
         with graph.inserting_before(user):
             low = graph.create_node("call_function", target, args, kwargs, name=f"{src.name}_{suffix}")
-        fake = [_val(a) if isinstance(a, fx.Node) else a for a in args]
+        fake = [node_val(a) if isinstance(a, fx.Node) else a for a in args]
         low.meta.update({PHASE_KEY: user.meta[PHASE_KEY], "val": target(*fake, **kwargs)})
         if SCOPE_KEY in user.meta:
             low.meta[SCOPE_KEY] = user.meta[SCOPE_KEY]

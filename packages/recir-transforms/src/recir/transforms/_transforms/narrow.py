@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from .._errors import RecIRError
+from .._graph_util import node_val
 from .._step import StepGraph
 from .._transform import Transform, TransformResult, register_transform
 from .dce import DeadCodeElimination
@@ -63,12 +64,8 @@ Rule = tuple[
 ]
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
-    val = _val(node)
+    val = node_val(node)
     if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape):
         return None  # symbolic shapes: left alone
     return tuple(val.shape)
@@ -164,7 +161,7 @@ def _op_rule(node: fx.Node, nar: Narrowing) -> Rule | None:
         return None
     if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
         return None
-    val = _val(node)
+    val = node_val(node)
     ref = val[0] if isinstance(val, (tuple, list)) else val
     if not isinstance(ref, torch.Tensor) or not all(isinstance(s, int) for s in ref.shape):
         return None
@@ -407,7 +404,7 @@ def _call(
 
 def _check_rows(old: fx.Node, new: fx.Node, nar: Narrowing) -> None:
     """The narrowed node has the old one's shape with ``nar``'s axis shortened (each output of a tuple)."""
-    olds, news = _val(old), _val(new)
+    olds, news = node_val(old), node_val(new)
     olds, news = (olds, news) if isinstance(olds, (tuple, list)) else ((olds,), (news,))
     for a, b in zip(olds, news):
         if not isinstance(a, torch.Tensor):
@@ -430,7 +427,7 @@ def _meta(node: fx.Node) -> dict[str, Any]:
 def _fake_run(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     def unwrap(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            return _val(a)
+            return node_val(a)
         if isinstance(a, (list, tuple)):
             return type(a)(unwrap(x) for x in a)
         return a
