@@ -174,7 +174,10 @@ class STULayer(nn.Module):
         output only ([B, C, D], `forward_candidates`; the mask must be a `TargetAwareMask`)."""
         if candidates_only:
             if not isinstance(mask, TargetAwareMask):
-                raise TypeError("STULayer: candidates_only needs a TargetAwareMask (the prefix it names)")
+                raise TypeError(
+                    f"STULayer: candidates_only needs a TargetAwareMask (the prefix it names), got "
+                    f"{type(mask).__name__}. Fix: pass TargetAwareMask(valid, prefix), not its dense form"
+                )
             return self.forward_candidates(x, mask, max_len, packed)
         if packed is not None:
             return self.forward_packed(x, packed[0], packed[1], mask, max_len)
@@ -235,8 +238,8 @@ class STULayer(nn.Module):
         scale: torch.Tensor,
     ) -> torch.Tensor:
         """Candidates' attention: each candidate (q, k, v [B, H, C, A]) against the prefix's keys and
-        values ([B, H, P, A], padded keys zeroed: SiLU(0) = 0) and itself, none against another; scale
-        the normaliser, broadcastable to [B, 1, 1]. [B, H, C, A]."""
+        values ([B, H, P, A], padded keys zeroed: SiLU(0) = 0) and itself, none against another;
+        `scale` the normaliser, 0-d or one per sample [B]. Returns [B, H, C, A]."""
         scale = scale.reshape(-1, 1, 1, 1) if scale.dim() else scale
         scores = F.silu(self.alpha * (q @ prefix_keys.transpose(-1, -2))) / scale
         own = F.silu(self.alpha * (q * k).sum(dim=-1, keepdim=True)) / scale
