@@ -137,6 +137,18 @@ def time_features(timestamps: torch.Tensor) -> torch.Tensor:
     return torch.stack(feats, dim=-1)
 
 
+def _head_slots(index: torch.Tensor, N: int, H: int) -> tuple[torch.Tensor, ...]:
+    """(sample, head, slot) indices of packed rows `index` [T] (slots of a flattened [B, N] layout) for
+    each of H heads, shaped to broadcast to [T, H]."""
+    return (index // N)[:, None], torch.arange(H, device=index.device)[None, :], (index % N)[:, None]
+
+
+def _to_heads(rows: torch.Tensor, at: tuple[torch.Tensor, ...], B: int, N: int, H: int) -> torch.Tensor:
+    """Packed rows [T, H * A] scattered to [B, H, N, A] at `_head_slots` (zeros in the other slots)."""
+    A = rows.shape[-1] // H
+    return rows.new_zeros(B, H, N, A).index_put(at, rows.reshape(-1, H, A))
+
+
 class STULayer(nn.Module):
     """One HSTU layer: pointwise SiLU attention over the target-aware causal mask, no softmax."""
 
@@ -213,10 +225,8 @@ class STULayer(nn.Module):
         else:
             index, (B, N) = packed
             D = x.shape[-1]
-            at = (index // N)[:, None], torch.arange(H, device=x.device)[None, :], (index % N)[:, None]
-            v, k = (
-                normed.new_zeros(B, H, N, A).index_put(at, part(normed, i).view(-1, H, A)) for i in (1, 3)
-            )
+            at = _head_slots(index, N, H)
+            v, k = (_to_heads(part(normed, i), at, B, N, H) for i in (1, 3))
             x_c = x.new_zeros(B * N, D).index_copy(0, index, x).view(B, N, D)[:, p:]
             normed_c = self.input_norm(x_c)  # row-wise: the candidate rows' norm
         C = x_c.shape[1]
@@ -264,11 +274,8 @@ class STULayer(nn.Module):
         u = F.silu(uvqk[:, : H * A])
         # (sample, head, slot) of each row and head: q, k, v go straight to [B, H, N, A] and the
         # attention output comes back from it in runs of A contiguous elements (no transposes).
-        at = (index // N)[:, None], torch.arange(H, device=x.device)[None, :], (index % N)[:, None]
-        v, q, k = (
-            uvqk.new_zeros(B, H, N, A).index_put(at, t.reshape(-1, H, A))
-            for t in uvqk[:, H * A :].split(H * A, dim=-1)
-        )
+        at = _head_slots(index, N, H)
+        v, q, k = (_to_heads(t, at, B, N, H) for t in uvqk[:, H * A :].split(H * A, dim=-1))
         attn = take(self.attention(q, k, v, mask, max_len), *at)
         return self._residual(x, u, attn.reshape(-1, H * A))
 
