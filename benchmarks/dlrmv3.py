@@ -2,7 +2,10 @@
 of eager PyTorch, the GPU path and the TPU path, in fp32 and bf16, at the configurations of
 docs/dlrmv3-reference.md; ratios against the reference loop (its figures there, or, with `--reference
 DIR`, the reference loop itself measured in the same run by benchmarks/reference_dlrmv3.py) and against
-eager measured here.
+eager measured here. `prod GF`: the matrix products' (mm, addmm, bmm) GFLOP of the captured step that ran
+each timed batch (mean); `GF/s`: those over the median step time, what the step would need from the CPU's
+products alone (compare with a bare `torch.mm` of the same shapes: when it is close, the step is bound by
+its products, and only fewer products make it faster).
 
 Not a test. Each (configuration, target, precision) runs in its own process, so its peak RSS is its
 own. The compiled paths pack each batch's real tokens (`--token_budget`, default auto: the per-batch mean
@@ -21,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 # UIH length -> (batch, the reference loop's ms/step with 2 threads, like for like, from docs/dlrmv3-reference.md).
 # The reference's max_seq_len counts the 2 contextual tokens and the 10 candidates: UIH 64 == its 76.
@@ -120,8 +124,10 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         trainer.step(b.to(device) if cuda else b)
     first = time.perf_counter() - started
     rounds = []
+    flops: list[float] = []
     for r in range(args.rounds):
         todo = batches(args.warmup + r * args.steps, args.steps)
+        flops += [_product_flops(trainer, b) for b in todo]
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -140,7 +146,35 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         # every token budget's step (--token_buckets): the first's plus each later budget's first batch
         "compile_all_s": (trainer.compile_seconds or first) + sum(getattr(trainer, "compiles_seconds", [])),
         "torch": torch.__version__,
+        "product_gflop": statistics.mean(flops) / 1e9,
     }
+
+
+_PRODUCTS: dict[int, float] = {}
+
+
+def _product_flops(trainer: Any, batch: Any) -> float:
+    """Floating-point operations of the matrix products (``mm``, ``addmm``, ``bmm``) in the captured step
+    that runs ``batch`` (its token budget's, with --token_buckets), before lowering; nan for eager."""
+    import torch
+
+    bucketed = getattr(trainer, "by_rows", None)
+    if bucketed is not None:
+        from recir.dlrmv3._trainers import _rows
+
+        trainer = bucketed.get(_rows(batch), trainer)
+    step = getattr(trainer, "graph", None)
+    if step is None:
+        return math.nan
+    if id(step) not in _PRODUCTS:
+        aten, total = torch.ops.aten, 0.0
+        for node in step.graph.nodes:
+            if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+                a, b = (x.meta["val"] for x in node.args[-2:]) if node.target is aten.addmm.default else (
+                    x.meta["val"] for x in node.args[:2])  # fmt: skip
+                total += 2 * a.numel() * b.shape[-1]
+        _PRODUCTS[id(step)] = total
+    return _PRODUCTS[id(step)]
 
 
 def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float, float, str]:
@@ -271,7 +305,7 @@ def main() -> None:
         f"{'median ms':>9}"
     )
     mem = "GPU GiB" if device == "cuda" else "RSS GiB"
-    print(f"{head} {'samples/s':>9} {mem:>7} {'vs ref':>7} {'vs eager':>8}")
+    print(f"{head} {'samples/s':>9} {mem:>7} {'vs ref':>7} {'vs eager':>8} {'prod GF':>7} {'GF/s':>5}")
     for uih in (int(x) for x in args.configs.split(",")):
         batch, peer = PEERS.get(uih, (16, math.nan))
         batch = args.batch_size or batch
@@ -311,10 +345,12 @@ def main() -> None:
                     eager[precision] = r["median_ms"]
                 base = eager.get(precision, eager.get("fp32", math.nan))
                 used = r["device_peak_gib"] if device == "cuda" else r["peak_rss_gib"]
+                gf = r.get("product_gflop", math.nan)
                 print(
                     f"{row} {r['compile_s']:>9.1f} {r.get('compile_all_s', r['compile_s']):>6.1f} "
                     f"{r['min_ms']:>8.1f} {r['median_ms']:>9.1f} "
-                    f"{r['samples_s']:>9.1f} {used:>7.2f} {peer / r['median_ms']:>6.2f}x {base / r['median_ms']:>7.2f}x",
+                    f"{r['samples_s']:>9.1f} {used:>7.2f} {peer / r['median_ms']:>6.2f}x {base / r['median_ms']:>7.2f}x "
+                    f"{gf:>7.1f} {1000 * gf / r['median_ms']:>5.0f}",
                     flush=True,
                 )
 
