@@ -90,3 +90,43 @@ def test_a_probe_list_torch_already_cached_does_not_mark_the_memo_complete(tmp_p
     with _isa.probe_in_background(tmp_path) as thread:
         assert thread is not None
     assert _isa._COMPLETE not in _isa._read(_isa.memo_path(tmp_path))
+
+
+def test_torch_isa_list_is_built_by_one_thread_at_a_time(fake_probe, tmp_path, monkeypatch):
+    # torch's AVX-512 check appends a flag to the shared ISA object for its probe and then puts back what
+    # it read: two threads interleaving there leave the flag in for good, so every kernel's compile
+    # command (in its cache key) differs from the next process's and the C++ cache misses
+    import functools
+
+    from torch._inductor import cpu_vec_isa
+
+    calls, isas, _ = fake_probe
+    inside: list[int] = []
+    busy = [0]
+
+    @functools.cache
+    def like_torch() -> list:
+        busy[0] += 1
+        inside.append(busy[0])
+        found = []
+        for isa in isas:
+            base = isa._arch_flags
+            isa._arch_flags += " -mextra"  # the temporary flag of torch's bf16 check
+            ok = _probe(isa)
+            isa._arch_flags = base
+            if ok:
+                found.append(isa)
+        busy[0] -= 1
+        return found
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", like_torch)
+    with _isa.probe_in_background(tmp_path) as thread:
+        assert thread is not None
+        time.sleep(0.1)  # the background probe is inside torch's list now
+        with _isa.memoized_cpu_isa_probe(tmp_path):  # code generation asks meanwhile
+            picked = cpu_vec_isa.valid_vec_isa_list()
+    assert inside == [1]  # built once, never by two threads at once; the second caller got the first's list
+    assert [i._arch_flags for i in isas] == ["-mavx2", "-mavx512f"]  # no flag left behind
+    assert picked == isas and sorted(calls) == ["-mavx2 -mextra", "-mavx512f -mextra"]
+    assert cpu_vec_isa.valid_vec_isa_list is like_torch  # restored when the last block closed
+    assert _isa._read(_isa.memo_path(tmp_path))[_isa._COMPLETE] is True

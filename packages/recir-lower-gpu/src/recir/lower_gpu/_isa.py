@@ -9,11 +9,19 @@ The first compile on a machine (no memo yet) still pays the probe: about 30 s fo
 thread when a compile begins, so it runs while Inductor's Python passes (AOTAutograd, lowering,
 scheduling) occupy the main thread, instead of after them; code generation, the first reader, waits
 only for what is left.
+
+The two threads must not build torch's ISA list at the same time: torch's AVX-512 check appends
+``-mavx512bf16`` to the shared ISA object's flags for its probe and puts back what it read, so two
+interleaved checks leave the flag in the flags for good, and every kernel's compile command (part of
+its cache key) then differs from the next process's: the machine's second compile missed the C++ cache
+and compiled every kernel again (35-53 s on a 2-core EPYC). While a block is open, building the list
+takes a lock; the second caller gets the first one's list.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -32,6 +40,8 @@ _MEMO_LOCK = threading.Lock()  # the memo file's read-modify-write, and the in-f
 _IN_FLIGHT: dict[str, threading.Event] = {}  # probes running in some thread, by key
 _DEPTH = 0  # open memoized_cpu_isa_probe blocks (the hook stays until the last one closes)
 _replaced: Any = None  # the check_build the outermost open block replaced (restored when the last closes)
+_replaced_list: Any = None  # the valid_vec_isa_list it replaced
+_LIST_LOCK = threading.RLock()  # one thread at a time builds torch's ISA list (see the module docstring)
 _COMPLETE = "__complete__"  # memo key: every ISA this machine lists has been probed
 
 
@@ -96,13 +106,28 @@ def _memoized(original: Any, path: Path) -> Any:
     return check_build
 
 
+def _serialized(original: Any) -> Any:
+    @functools.wraps(original)
+    def valid_vec_isa_list() -> Any:
+        with _LIST_LOCK:
+            return original()
+
+    valid_vec_isa_list._recir_original = original  # type: ignore[attr-defined]
+    return valid_vec_isa_list
+
+
+def _unserialized(fn: Any) -> Any:
+    """torch's own ``valid_vec_isa_list`` (with its ``cache_info``), under our lock or not."""
+    return getattr(fn, "_recir_original", fn)
+
+
 @contextlib.contextmanager
 def memoized_cpu_isa_probe(cache_dir: Path) -> Iterator[bool]:
-    """``VecISA.check_build`` answered from an on-disk memo in ``cache_dir`` for the duration of a block
-    (yields False if torch has no such hook; nests, also across threads: the hook stays until the last
-    open block closes, then the original is restored, so other torch.compile users in the process probe
-    as they would without RecIR)."""
-    global _DEPTH, _replaced
+    """``VecISA.check_build`` answered from an on-disk memo in ``cache_dir``, and torch's ISA list built by
+    one thread at a time, for the duration of a block (yields False if torch has no such hook; nests, also
+    across threads: the hooks stay until the last open block closes, then the originals are restored, so
+    other torch.compile users in the process probe as they would without RecIR)."""
+    global _DEPTH, _replaced, _replaced_list
     try:
         from torch._inductor import cpu_vec_isa
     except ImportError:
@@ -114,6 +139,10 @@ def memoized_cpu_isa_probe(cache_dir: Path) -> Iterator[bool]:
             if _DEPTH == 0 and not getattr(original, "_recir_memo", False):
                 cpu_vec_isa.VecISA.check_build = _memoized(original, memo_path(cache_dir))
                 _replaced = original
+                listing = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+                if listing is not None and not hasattr(listing, "_recir_original"):
+                    cpu_vec_isa.valid_vec_isa_list = _serialized(listing)
+                    _replaced_list = listing
             _DEPTH += 1
     if original is None:
         yield False
@@ -125,6 +154,8 @@ def memoized_cpu_isa_probe(cache_dir: Path) -> Iterator[bool]:
             _DEPTH -= 1
             if _DEPTH == 0 and _replaced is not None:
                 cpu_vec_isa.VecISA.check_build, _replaced = _replaced, None
+                if _replaced_list is not None:
+                    cpu_vec_isa.valid_vec_isa_list, _replaced_list = _replaced_list, None
 
 
 @contextlib.contextmanager
@@ -144,7 +175,7 @@ def probe_in_background(cache_dir: Path) -> Iterator[threading.Thread | None]:
     def probe() -> None:
         try:
             # torch caches the list per process: computed earlier without the memo, it probes nothing now
-            info = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)
+            info = getattr(_unserialized(cpu_vec_isa.valid_vec_isa_list), "cache_info", None)
             fresh = info is None or info().currsize == 0
             with memoized_cpu_isa_probe(cache_dir) as memoized:
                 cpu_vec_isa.valid_vec_isa_list()
