@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from recir.transforms import PHASE_KEY, SCOPE_KEY, alias_chain
+from recir.transforms import PHASE_KEY, SCOPE_KEY, alias_chain, lazy_graph_module
 
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # the outermost module path with an integer index
 _LIFTABLE = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor}
@@ -229,7 +229,7 @@ class RegionSplit:
             graph.call_function(torch.ops.aten.copy_.default, (env[dst], env[src]))
         graph.output(tuple(env[o] for o in p.outputs))
         _placeholders_first(graph)
-        return fx.GraphModule(torch.nn.Module(), graph)
+        return lazy_graph_module(torch.nn.Module(), graph)  # code written once, for the cache key
 
 
 def _codes(pieces: list[_Piece]) -> tuple[list[str], list[list[Any]], list[tuple[bool, ...]]]:

@@ -157,6 +157,9 @@ from ._step import (
     format_node as format_node,
 )
 from ._step import (
+    lazy_graph_module as lazy_graph_module,
+)
+from ._step import (
     param_buffer_initializer as param_buffer_initializer,
 )
 from ._transform import (
@@ -205,6 +208,7 @@ __all__ = [
     "param_buffer_initializer",
     "format_node",
     "copy_graph_module",
+    "lazy_graph_module",
     # state-slot names: param:<path>, buffer:<path>, optim:<path>:<key>, optim:step, optim:group<i>:lr, rng:*
     "SlotName",
     "parse_slot_name",

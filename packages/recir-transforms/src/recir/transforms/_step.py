@@ -62,12 +62,29 @@ def _model_tensor(slot: StateSlot, model: nn.Module, optimizer: Any = None) -> t
     return None
 
 
+def lazy_graph_module(root: nn.Module | dict[str, Any], graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule that writes its Python code only when it is run, printed or pickled.
+
+    Every ``recompile()`` of an eager GraphModule generates and executes the Python source of the whole
+    graph: about 0.3 s for a full-size DLRMv3 step, and a lowering pipeline recompiled it after every
+    rewrite only to hand the graph to a backend that never ran that code (about 1 s of a 6-7 s cached
+    compile on a 2-core CPU). torch.fx's ``_LazyGraphModule`` (what Inductor uses for the same reason) defers that to the
+    first use; on a torch without it this is a plain GraphModule.
+    """
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - every torch RecIR supports has it (checked since 2.3)
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule with its own graph (each node's metadata dict copied shallowly, tensors shared)."""
+    """A GraphModule with its own graph (each node's metadata dict copied shallowly, tensors shared),
+    generating its code lazily (:func:`lazy_graph_module`)."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})  # node_copy gives each node a shallow copy of its meta
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return lazy_graph_module(gm, graph)
 
 
 @dataclasses.dataclass
