@@ -183,10 +183,9 @@ def test_textual_pipelines_round_trip_with_options():
         parse_pipeline("recir-nope")
 
 
-def test_the_code_follows_the_graph_and_is_regenerated_only_on_change(monkeypatch):
-    """A transform that edits the graph in place (no recompile of its own) leaves code that runs the new
-    graph; a transform that changes nothing costs no code generation (a 3k-node step: ~0.1 s each)."""
-    step, _, _ = mlp_sgd_step()
+@pytest.fixture
+def recompiles(monkeypatch) -> list[int]:
+    """Each GraphModule code generation (its graph's node count), also a lazy module's first real one."""
     calls: list[int] = []
     recompile = torch.fx.GraphModule.recompile
 
@@ -195,6 +194,15 @@ def test_the_code_follows_the_graph_and_is_regenerated_only_on_change(monkeypatc
         return recompile(self)
 
     monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    return calls
+
+
+def test_the_code_follows_the_graph_and_is_regenerated_only_on_change(recompiles):
+    """A transform that edits the graph in place (no recompile of its own) leaves code that runs the new
+    graph; a transform that changes nothing costs no code generation (a 3k-node step: ~0.1 s each)."""
+    step, _, _ = mlp_sgd_step()
+    calls = recompiles
+    calls.clear()  # only what follows counts
     pipeline = Pipeline([ReluToClamp(tag="first"), ReluToClamp(tag="again")], verify_level=0)
     out = pipeline.run(step)
     assert [r.status for r in pipeline.records] == ["changed", "unchanged"]
@@ -202,20 +210,14 @@ def test_the_code_follows_the_graph_and_is_regenerated_only_on_change(monkeypatc
     assert "clamp_min" in out.graph_module.code and "relu" not in out.graph_module.code
 
 
-def test_a_copied_step_writes_its_code_once_when_first_run(monkeypatch):
+def test_a_copied_step_writes_its_code_once_when_first_run(recompiles):
     """step.copy() makes a lazy GraphModule: copying, rewriting and recompile() write no Python code (a
     full-size DLRMv3 step: ~0.3 s each, about 1 s of a cached compile); the first run writes it once, for
     the graph as it is then."""
     step, state, batch = mlp_sgd_step()
     want_state, want_out = run_steps(step, state, batch, n=1)
-    calls: list[int] = []
-    recompile = torch.fx.GraphModule.recompile
-
-    def counted(self):
-        calls.append(len(self.graph.nodes))
-        return recompile(self)
-
-    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    calls = recompiles
+    calls.clear()  # only what follows counts
     copy = step.copy()
     out = Pipeline([ReluToClamp()], verify_level=0).run(copy)
     out.graph_module.recompile()  # what a transform does after an edit
