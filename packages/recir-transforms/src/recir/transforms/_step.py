@@ -68,12 +68,12 @@ def lazy_graph_module(root: nn.Module | dict[str, Any], graph: fx.Graph) -> fx.G
     Every ``recompile()`` of an eager GraphModule generates and executes the Python source of the whole
     graph: about 0.3 s for a full-size DLRMv3 step, and a lowering pipeline recompiled it after every
     rewrite only to hand the graph to a backend that never ran that code (about 1 s of a 6-7 s cached
-    compile on a 2-core CPU). torch.fx's ``_LazyGraphModule`` (what Inductor uses for the same reason) defers that to the
-    first use; on a torch without it this is a plain GraphModule.
+    compile on a 2-core CPU). torch.fx's ``_LazyGraphModule`` (what Inductor uses for the same reason)
+    defers that to the first use; on a torch without it this is a plain GraphModule.
     """
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule
-    except ImportError:  # pragma: no cover - every torch RecIR supports has it (checked since 2.3)
+    except ImportError:  # pragma: no cover - private; in torch 2.9.1, 2.10.0 and 2.12.1 (CI's three)
         return fx.GraphModule(root, graph)
     return _LazyGraphModule(root, graph)
 
