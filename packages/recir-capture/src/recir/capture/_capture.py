@@ -52,8 +52,12 @@ from ._rng import step_key
 from ._slots import OptimizerStateInitializer, batch_slots, slot_devices, state_slots
 from ._trace_context import CaptureFunctionMode, TraceContext, track_modules
 from ._trace_step import Recorder, check_inputs_unmutated, node_of, split_loss, trace
+from ._update_copies import copy_template, finish_copies, record_template, update_key
 
 OPTIMIZER_META = OPTIMIZER_KEY  # its old name here
+# Copy a traced optimizer update to every parameter with the same update key (see _update_copies); tests
+# switch it off to compare against tracing each update.
+REUSE_UPDATES = True
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -159,6 +163,7 @@ def capture_train_step(
         fake_state = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(slots, devices)]
     fake_batch = [fake_mode.from_tensor(t, static_shapes=mode == "static") for t in batch_tensors]
     gm = trace(step_fn, fake_mode, [*fake_state, *fake_batch], rec)
+    finish_copies(gm, rec.update_copies, fake_mode)
     if rec.unused:
         warnings.warn(
             f"parameters {rec.unused} received no gradient from the loss; the captured step leaves them "
@@ -202,9 +207,10 @@ def _optimizer_phase(
         step = out[index[STEP_SLOT]] = st[index[STEP_SLOT]] + 1
     scalars = {}  # shared by a group's parameters, computed before any per-parameter range
     for (_, p, spec), grad in zip(trainable, grads):
-        key = (spec.group, p.dtype)
-        if grad is not None and key not in scalars:
-            scalars[key] = group_scalars(spec, st[index[lr_slot(spec.group)]], step, p.dtype)
+        group_key = (spec.group, p.dtype)
+        if grad is not None and group_key not in scalars:
+            scalars[group_key] = group_scalars(spec, st[index[lr_slot(spec.group)]], step, p.dtype)
+    copies = rec.update_copies
     for (name, p, spec), grad in zip(trainable, grads):
         if grad is None:
             rec.unused.append(name)
@@ -212,12 +218,26 @@ def _optimizer_phase(
         start = len(graph.nodes)
         state = {k: st[index[optim_slot(name, k)]] for k in spec.state_keys}
         lr = st[index[lr_slot(spec.group)]]
-        new_p, new_state = apply_update(
-            spec, p_in[name].detach(), grad, state, lr, step, scalars[(spec.group, p.dtype)]
-        )
-        out[index[param_slot(name)]] = new_p
-        for k, v in new_state.items():
-            out[index[optim_slot(name, k)]] = v
+        slots = [param_slot(name)] + [optim_slot(name, k) for k in spec.state_keys]
+        key = update_key(spec, [p_in[name], grad, *state.values()]) if REUSE_UPDATES else None
+        template = copies.templates.get(key) if key is not None else None
+        inputs = [node_of(t) for t in (p_in[name], grad, *state.values())]
+        results = copy_template(graph, template, inputs, copies) if template is not None else None
+        if results is not None:  # out[...] keeps the old state; finish_copies points the outputs here
+            copies.outputs.update({index[s]: r for s, r in zip(slots, results)})
+        else:
+            group = scalars[(spec.group, p.dtype)]
+            new_p, new_state = apply_update(spec, p_in[name].detach(), grad, state, lr, step, group)
+            news = [new_p, *(new_state[k] for k in spec.state_keys)]
+            for s, v in zip(slots, news):
+                out[index[s]] = v
+            if key is not None and key not in copies.templates:
+                shared = [node_of(v) for v in (lr, *group.values())] + (
+                    [node_of(step)] if step is not None else []
+                )
+                copies.templates[key] = record_template(
+                    graph, start, inputs, [node_of(v) for v in news], shared
+                )
         rec.param_ranges.append((param_slot(name), start, len(graph.nodes)))
     out[index[RNG_OFFSET_SLOT]] = st[index[RNG_OFFSET_SLOT]] + 1
 

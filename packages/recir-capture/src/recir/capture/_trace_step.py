@@ -28,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ._decomp import capture_decompositions
 from ._slots import path_name
 from ._trace_context import TraceContext
+from ._update_copies import UpdateCopies
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class Recorder:
     outputs: list[OutputSlot] = dataclasses.field(default_factory=list)
     output_spec: pytree.TreeSpec | None = None
     ctx: TraceContext | None = None
+    update_copies: UpdateCopies = dataclasses.field(default_factory=UpdateCopies)
 
 
 def node_of(t: torch.Tensor) -> fx.Node | None:
