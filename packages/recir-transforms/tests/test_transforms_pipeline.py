@@ -86,6 +86,59 @@ def test_pipeline_runs_in_order_and_stamps_provenance():
     torch.testing.assert_close(new_out, ref_out)
 
 
+class EditInPlace(Transform):
+    """Test transform: applies ``edit(step)`` to the graph in place."""
+
+    name = "recir-test-edit-in-place"
+
+    def __init__(self, edit) -> None:
+        super().__init__()
+        self.edit = edit
+
+    def run(self, step: StepGraph) -> TransformResult:
+        self.edit(step)
+        return TransformResult(step, True, {})
+
+
+def test_pipeline_sees_every_kind_of_in_place_edit():
+    """Signatures are remembered per node between transforms; each edit below must still count as a
+    change and be stamped: new arguments, new metadata, a mutable metadata value changed in place, a
+    renamed input, a new value, a metadata value moved to another key."""
+    step, _, _ = mlp_sgd_step()
+    mm = next(n for n in step.graph.nodes if n.target is torch.ops.aten.mm.default)
+    (a, b) = mm.args[:2]
+
+    def swap_args(step):
+        mm.args = (b, a)
+
+    def tag(step):
+        mm.meta["recir.test"] = ["first"]
+        mm.meta["recir.label"] = "a label"
+
+    def tag_again(step):
+        mm.meta["recir.test"].append("second")
+
+    def rename_input(step):
+        a.name = a.name + "_renamed"
+
+    def new_val(step):
+        mm.meta["val"] = torch.empty(3, 3, dtype=torch.float64)
+        mm.meta["recir.test"] = "no longer a list"
+
+    def retag(step):  # the same value under another key, in the same place
+        mm.meta["recir.other"] = mm.meta.pop("recir.label")
+
+    edits = [swap_args, tag, tag_again, rename_input, new_val, retag]
+    pipe = Pipeline([EditInPlace(e) for e in edits], verify_level=0)
+    out = pipe.run(step)
+    assert [r.modified for r in pipe.records] == [1, 1, 1, len(a.users), 1, 1]
+    assert out.graph is step.graph and mm.meta[PROVENANCE_KEY] == ["recir-test-edit-in-place"]
+    # nothing changed: nothing counted
+    again = Pipeline([EditInPlace(lambda step: None)], verify_level=0)
+    again.run(out)
+    assert (again.records[0].added, again.records[0].removed, again.records[0].modified) == (0, 0, 0)
+
+
 def test_broken_transform_is_caught_at_level_2_and_named(monkeypatch):
     monkeypatch.setenv("RECIR_VERIFY", "2")
     step, _, _ = mlp_sgd_step()

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,26 +40,63 @@ class TransformRecord:
     stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def _arg_text(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return ("%", a.name)
+    if isinstance(a, (list, tuple)):
+        return tuple(_arg_text(x) for x in a)
+    return repr(a)
+
+
 def _node_signature(node: fx.Node) -> tuple[Any, ...]:
     """What identifies a node's computation: op, target, argument names and its recir.* metadata."""
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return ("%", a.name)
-        if isinstance(a, (list, tuple)):
-            return tuple(arg(x) for x in a)
-        return repr(a)
-
     meta = tuple(
         sorted((k, repr(v)) for k, v in node.meta.items() if k.startswith("recir.") and k not in _SKIP_META)
     )
-    kwargs = tuple(sorted((k, arg(v)) for k, v in node.kwargs.items()))
-    return (node.op, str(node.target), arg(node.args), kwargs, meta, format_val(node.meta.get("val")))
+    kwargs = tuple(sorted((k, _arg_text(v)) for k, v in node.kwargs.items()))
+    return (node.op, str(node.target), _arg_text(node.args), kwargs, meta, format_val(node.meta.get("val")))
 
 
-def snapshot(step: StepGraph) -> dict[str, tuple[Any, ...]]:
+_IMMUTABLE = (str, int, float, bool, type(None))
+
+
+class _Signer:
+    """:func:`_node_signature` for a pipeline run, remembered per node while what it reads is unchanged.
+
+    A node whose args and kwargs (fx replaces them, never edits them), value, target and inputs' names
+    are the same objects as when it was signed, and whose recir.* metadata keys and values are the same
+    immutable objects, has the same signature; anything else (a mutable metadata value among them) is
+    signed again.
+    Most transforms of a lowering rewrite a few nodes of thousands in place.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[fx.Node, tuple[tuple[Any, ...], tuple[Any, ...], list[tuple[fx.Node, str]]]] = {}
+
+    def __call__(self, node: fx.Node) -> tuple[Any, ...]:
+        meta = node.meta
+        tagged = tuple(
+            x for k, v in meta.items() if k.startswith("recir.") and k not in _SKIP_META for x in (k, v)
+        )
+        key = (node.op, node.target, node.args, node.kwargs, meta.get("val"), node.name, *tagged)
+        hit = self._memo.get(node)
+        if (
+            hit is not None
+            and len(hit[0]) == len(key)
+            and all(a is b for a, b in zip(hit[0], key))
+            and all(isinstance(v, _IMMUTABLE) for v in tagged)
+            and all(n.name == name for n, name in hit[2])
+        ):
+            return hit[1]
+        sig = _node_signature(node)
+        self._memo[node] = (key, sig, [(n, n.name) for n in node.all_input_nodes])
+        return sig
+
+
+def snapshot(step: StepGraph, signer: _Signer | None = None) -> dict[str, tuple[Any, ...]]:
     """Node name -> signature, to diff a graph before and after a transform."""
-    return {n.name: _node_signature(n) for n in step.graph.nodes}
+    sign = signer or _node_signature
+    return {n.name: sign(n) for n in step.graph.nodes}
 
 
 def stamp_provenance(
@@ -69,18 +106,21 @@ def stamp_provenance(
 
     Returns (added, removed, modified) node counts.
     """
-    added, removed, modified, _ = _stamp(step, before, name)
+    added, removed, modified, _ = _stamp(step, before, name, _node_signature)
     return added, removed, modified
 
 
 def _stamp(
-    step: StepGraph, before: Mapping[str, tuple[Any, ...]], name: str
+    step: StepGraph,
+    before: Mapping[str, tuple[Any, ...]],
+    name: str,
+    sign: Callable[[fx.Node], tuple[Any, ...]],
 ) -> tuple[int, int, int, dict[str, tuple[Any, ...]]]:
     """:func:`stamp_provenance`, and the graph's snapshot now (the next transform's ``before``)."""
     added = modified = 0
     now: dict[str, tuple[Any, ...]] = {}
     for node in step.graph.nodes:
-        sig = now[node.name] = _node_signature(node)
+        sig = now[node.name] = sign(node)
         old = before.get(node.name)
         if old is not None and old == sig:
             continue
@@ -182,7 +222,8 @@ class Pipeline:
             dump_path.mkdir(parents=True, exist_ok=True)
         self.records = []
         self.verified = step
-        before = snapshot(step)
+        signer = _Signer()
+        before = snapshot(step, signer)
         if level >= 2:
             verify(step, level=level, transform=f"(input of {self.name})")
         for i, transform in enumerate(self.transforms, start=1):
@@ -202,7 +243,7 @@ class Pipeline:
                 raise
             seconds = time.perf_counter() - t0
             new = result.step
-            added, removed, modified, now = _stamp(new, before, transform.name)
+            added, removed, modified, now = _stamp(new, before, transform.name, signer)
             if added or removed or modified or list(before) != list(now):
                 new.graph_module.recompile()  # the code follows the graph (unchanged graph: unchanged code)
             nodes_before, before = len(before), now
