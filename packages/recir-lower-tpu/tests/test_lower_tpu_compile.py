@@ -178,3 +178,38 @@ def test_x64_option_keeps_int64_exact(sgd_step):
     narrow = compile(sgd_step(model, _mse_plus_high_bits, batch), options=TPUOptions(x64=False))
     _, (loss32,) = narrow(narrow.init_state(model), batch)
     assert abs(float(loss32) - float(want)) > 1.0, (float(loss32), float(want))
+
+
+def test_init_state_releases_each_source_once_its_copy_exists(sgd_step):
+    """``init_state(release=...)``: called once per state slot, in slot order, after that slot's array
+    is copied; a caller that overwrites (or frees) the model's tensor there leaves the state intact."""
+    torch.manual_seed(0)  # a 32 MiB weight: its copy takes long enough to be overtaken if not awaited
+    model = nn.Sequential(nn.Linear(6, 2896), nn.ReLU(), nn.Linear(2896, 2896), nn.ReLU(), nn.Linear(2896, 1))
+    batch = _batches(1)[0]
+    compiled = compile(sgd_step(model, _mse, batch, lr=0.05))
+    params = dict(model.named_parameters())
+    expected = {f"param:{n}": p.detach().clone() for n, p in params.items()}
+    released: list[str] = []
+
+    def release(slot: str) -> None:
+        released.append(slot)
+        name = slot.removeprefix("param:")
+        if name in params:
+            with torch.no_grad():
+                params[name].fill_(float("nan"))  # the source goes away; the copy must not see it
+
+    state = compiled.init_state(model, release=release)
+    assert released == [s.name for s in compiled.step.signature.state]
+    got = compiled.state_dict(state)
+    for slot, value in expected.items():
+        torch.testing.assert_close(got[slot], value, rtol=0, atol=0)
+    state, (loss,) = compiled(state, batch)
+    assert torch.isfinite(loss)
+
+
+def test_trim_host_heap_runs_where_there_is_glibc():
+    import platform
+
+    from recir.embedding import trim_host_heap
+
+    assert trim_host_heap() is (platform.libc_ver()[0] == "glibc")

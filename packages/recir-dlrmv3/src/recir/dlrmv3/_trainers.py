@@ -250,27 +250,30 @@ class CompiledTrainer:
                 f", --pipeline_sparse {pipeline_sparse}: {stats['moved']} node(s) ahead ({stats['collectives']} "
                 f"collective(s)), {stats['carried']} value(s) carried ({stats['carry_bytes'] / 1024:.1f} KiB)"
             )
+        # the TPU path on one device: JAX holds the weights, the model's copy is released (see _released),
+        # each parameter as soon as its copy exists
+        self.released = self._released_weights() if target == "tpu" and mesh is None else None
         if state is not None:
             self.state = state
         elif self._shares_model():  # the GPU path: one copy of the weights, trained in place
             self.state = self.compiled.init_state(model, opt, share_model=True)
+        elif self.released is not None:
+            self.state = self.compiled.init_state(model, opt, release=self.released.release_slot)
         else:
             self.state = self.compiled.init_state(model, opt)
-        # the TPU path on one device: JAX holds the weights, the model's copy is released (see _released)
-        self.released = self._release_model() if target == "tpu" and mesh is None else None
+        if self.released is not None:
+            self.released.release()
         self._first = True
         self.compile_seconds = 0.0
 
-    def _release_model(self) -> ReleasedWeights | None:
-        """Release the model's parameters when the state holds them as single-device JAX arrays (a plain
+    def _released_weights(self) -> ReleasedWeights | None:
+        """The model's parameters to release when the state holds them as single-device JAX arrays (a plain
         recir.lower_tpu step: not pipelined, not split between host and device)."""
         from recir.lower_tpu import TPUCompiledStep
 
         if not isinstance(self.compiled, TPUCompiledStep):
             return None
-        released = ReleasedWeights(self.model, (slot.name for slot in self.compiled.step.signature.state))
-        released.release()
-        return released
+        return ReleasedWeights(self.model, (slot.name for slot in self.compiled.step.signature.state))
 
     def _shares_model(self) -> bool:
         """Whether the step trains the model's own tensors: a step that updates its state in place (the GPU

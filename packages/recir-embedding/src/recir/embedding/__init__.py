@@ -30,6 +30,7 @@ from ._huge_pages import advise_large_buffers as advise_large_buffers
 from ._huge_pages import huge_page_bytes as huge_page_bytes
 from ._huge_pages import huge_pages_supported as huge_pages_supported
 from ._huge_pages import thp_mode as thp_mode
+from ._huge_pages import trim_host_heap as trim_host_heap
 from ._jagged import JaggedBatch as JaggedBatch
 from ._jagged import validate_batch as validate_batch
 from ._jagged import validate_step_batch as validate_step_batch
@@ -133,6 +134,7 @@ __all__ = [
     "advise_large_buffers",
     "huge_page_bytes",
     "huge_pages_supported",
+    "trim_host_heap",
     "thp_mode",
     "HUGE_PAGES_MIN_BYTES",
     # errors (shared with recir.transforms)

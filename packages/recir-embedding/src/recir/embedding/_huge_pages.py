@@ -58,10 +58,30 @@ def huge_pages_supported() -> bool:
 
 
 @functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def trim_host_heap() -> bool:
+    """Hand the C heap's free pages back to the kernel (glibc's ``malloc_trim(0)``); False where there is
+    no glibc. Freed memory stays resident otherwise: a JAX lowering's or a state copy's temporaries,
+    freed between live allocations, kept a full-size DLRMv3 TPU-path process 0.6-0.75 GiB above what it
+    held (measured on a 2-core EPYC: 2.37 -> 1.62 GiB after tracing the step)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    libc = _libc()
+    if libc is None:
+        return None
     fn = libc.madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int

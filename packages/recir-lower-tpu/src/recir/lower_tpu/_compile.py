@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -25,6 +25,7 @@ from recir.embedding import (
     advise_large_buffers,
     embedding_report,
     resolve_backend,
+    trim_host_heap,
 )
 from recir.transforms import ConfigError, DataError, Pipeline, StepGraph, verify, verify_level
 from torch import nn
@@ -72,6 +73,10 @@ class TPUOptions:
     donate_state: bool = True
     host_checks: bool = True
     huge_pages_min_bytes: int | None = HUGE_PAGES_MIN_BYTES
+
+
+#: ``init_state(release=...)`` trims the heap after releasing a source at least this large (a table)
+_TRIM_AFTER_BYTES = 32 << 20
 
 
 class TPUCompiledStep:
@@ -131,9 +136,21 @@ class TPUCompiledStep:
         """Whether the first call loaded the program from the persistent cache (None before it)."""
         return self._cache_hit
 
-    def init_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[jax.Array]:
+    def init_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        release: Callable[[str], None] | None = None,
+    ) -> list[jax.Array]:
+        """The step's state from ``model`` and ``optimizer``, as JAX arrays of its own.
+
+        ``release(slot_name)`` is called as soon as a slot's array is copied, so a caller that drops the
+        model's tensor there (the DLRMv3 trainer's released weights) holds one copy of the weights plus
+        one tensor at a time instead of two copies (full-size DLRMv3: 0.63 GiB less at the peak).
+        """
         # the model's own tensors, not clones: each is copied into a JAX buffer anyway (no third copy)
-        return self._put_state(self.step.init_state(model, optimizer, share_model=True))
+        return self._put_state(self.step.init_state(model, optimizer, share_model=True), release)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[jax.Array]:
         return self._put_state(self.step.load_state_dict(state_dict))
@@ -265,6 +282,7 @@ class TPUCompiledStep:
         cache = compile_cache(opts.cache_dir, enabled=opts.persistent_cache and not multi_cpu)
         with cache:  # JAX's cache options set for this compile only, then put back
             self._compiled = self._jitted.lower(state, batch).compile()
+        trim_host_heap()  # tracing's and XLA's temporaries
         self._compile_seconds = time.perf_counter() - start
         self._cache_hit = cache_hits() > hits
         logger.info(
@@ -278,9 +296,25 @@ class TPUCompiledStep:
             return contextlib.nullcontext()
         return jax.enable_x64(self.x64)
 
-    def _put_state(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
+    def _put_state(
+        self, tensors: Sequence[torch.Tensor], release: Callable[[str], None] | None = None
+    ) -> list[jax.Array]:
+        pending: list[torch.Tensor | None] = list(tensors)
+        del tensors  # each source is dropped once copied (with `release`, the caller drops its own too)
         with self._x64():
-            state = [to_jax(t, sh, owned=True) for t, sh in zip(tensors, self._state_shardings)]
+            state = []
+            for i, (slot, sh) in enumerate(zip(self.step.signature.state, self._state_shardings)):
+                source, pending[i] = pending[i], None
+                assert source is not None
+                large = source.numel() * source.element_size() >= _TRIM_AFTER_BYTES
+                state.append(to_jax(source, sh, owned=True))
+                del source
+                if release is not None:
+                    state[-1].block_until_ready()  # the copy exists: the source may go
+                    release(slot.name)
+                    if large:
+                        trim_host_heap()  # its pages back now, not after the whole state is copied
+        trim_host_heap()  # the sources and the copies' temporaries, freed between live allocations
         if self.options.huge_pages_min_bytes is not None:
             # in place, contents unchanged; donation keeps the buffers (and their pages) across steps
             buffers = [
