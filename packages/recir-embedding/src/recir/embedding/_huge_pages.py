@@ -68,7 +68,7 @@ def trim_host_heap() -> bool:
     """Hand the C heap's free pages back to the kernel (glibc's ``malloc_trim(0)``); False where there is
     no glibc. Freed memory stays resident otherwise: a JAX lowering's or a state copy's temporaries,
     freed between live allocations, kept a full-size DLRMv3 TPU-path process 0.6-0.75 GiB above what it
-    held (measured on a 2-core EPYC: 2.37 -> 1.62 GiB after tracing the step)."""
+    held (measured on a 2-core EPYC: 2.37 -> 1.62 GiB once the state was built and the step traced)."""
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is None:

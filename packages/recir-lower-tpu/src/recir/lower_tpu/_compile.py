@@ -147,7 +147,8 @@ class TPUCompiledStep:
 
         ``release(slot_name)`` is called as soon as a slot's array is copied, so a caller that drops the
         model's tensor there (the DLRMv3 trainer's released weights) holds one copy of the weights plus
-        one tensor at a time instead of two copies (full-size DLRMv3: 0.63 GiB less at the peak).
+        one tensor at a time instead of two copies (full-size DLRMv3, with the heap trims below: building
+        the state peaks at 1.98 GiB instead of 2.36 on a 2-core EPYC).
         """
         # the model's own tensors, not clones: each is copied into a JAX buffer anyway (no third copy)
         return self._put_state(self.step.init_state(model, optimizer, share_model=True), release)

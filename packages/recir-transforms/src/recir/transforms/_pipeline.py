@@ -66,8 +66,7 @@ class _Signer:
     A node whose args and kwargs (fx replaces them, never edits them), value, target and inputs' names
     are the same objects as when it was signed, and whose recir.* metadata keys and values are the same
     immutable objects, has the same signature; anything else (a mutable metadata value among them) is
-    signed again.
-    Most transforms of a lowering rewrite a few nodes of thousands in place.
+    signed again. Most transforms of a lowering rewrite a few nodes of thousands in place.
     """
 
     def __init__(self) -> None:
