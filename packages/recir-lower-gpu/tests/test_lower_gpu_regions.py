@@ -143,6 +143,37 @@ def test_repeated_regions_compile_once_and_match_the_whole_step(lower_gpu_cache_
         torch.testing.assert_close(runs["repeated"][1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_pieces_kernels_build_while_later_pieces_generate_code(lower_gpu_cache_dir, monkeypatch):
+    """regions='repeated': every piece's wait for its C++ kernels runs after the last piece's compile
+    (one wait per compiled module), Inductor's own wait is back afterwards, and the step runs."""
+    import recir.lower_gpu._compile as lg_compile
+    from torch._inductor.async_compile import AsyncCompile
+
+    events: list[str] = []
+    inductor_wait, compile_fx = AsyncCompile.wait, lg_compile._compile_fx
+
+    def wait(self, scope):
+        events.append("wait")
+        inductor_wait(self, scope)
+
+    def compile_piece(*args):
+        fn = compile_fx(*args)
+        events.append("compile")
+        return fn
+
+    monkeypatch.setattr(AsyncCompile, "wait", wait)
+    monkeypatch.setattr(lg_compile, "_compile_fx", compile_piece)
+    model, opt, step = _step()
+    options = lg.GPUOptions(regions="repeated", cache_dir=lower_gpu_cache_dir)
+    compiled = lg.compile(step, device="cpu", options=options)
+    n = events.count("compile")
+    assert n >= 3 and events == ["compile"] * n + ["wait"] * n, events
+    assert AsyncCompile.wait is wait
+    state = compiled.init_state(model, opt)
+    state, (loss, *_) = compiled(state, _batch(1))
+    assert torch.isfinite(loss)
+
+
 def test_regions_option_is_checked():
     with pytest.raises(ConfigError, match="GPUOptions.regions"):
         lg.GPUOptions(regions="layers")  # type: ignore[arg-type]

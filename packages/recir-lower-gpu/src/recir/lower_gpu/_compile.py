@@ -26,6 +26,7 @@ from ._cache import inductor_cache_dir, recir_cache_dir, stable_cache_keys, usin
 from ._cudagraph import CudaGraphStep
 from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe, probe_in_background
+from ._kernel_waits import kernels_built_at_end
 from ._options import GPUOptions
 from ._pipeline import InPlaceEpilogue, SplitRepeatedRegions, collectives, gpu_pipeline
 from ._private_apis import check_private_apis
@@ -92,7 +93,9 @@ def _compile_regions(
     def compile_piece(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
         return _compile_fx(gm, inputs, fake_mode, patches)
 
-    fn, stats = compile_regions(split, _fake_inputs(ir, dev, fake_mode), dev, compile_piece, fake)
+    # each piece's C++ kernels build while the next pieces generate their code
+    with kernels_built_at_end():
+        fn, stats = compile_regions(split, _fake_inputs(ir, dev, fake_mode), dev, compile_piece, fake)
     log.info(
         "recir.lower_gpu: regions='repeated': %d pieces, %d distinct compiled",
         stats["pieces"],

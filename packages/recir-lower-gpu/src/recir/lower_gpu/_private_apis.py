@@ -15,6 +15,7 @@ PRIVATE_APIS = (
     "torch._inductor.compile_fx:compile_fx",  # compile a StepGraph's GraphModule without Dynamo
     "torch._inductor.config",  # per-compile patches, cpp.threads
     "torch._inductor.config:_pre_fusion_custom_pass",  # free_early
+    "torch._inductor.async_compile:AsyncCompile.wait",  # regions='repeated': kernels built at the end
     "torch._inductor.custom_graph_pass:CustomGraphPass",
     "torch._inductor.dependencies:WeakDep",
     "torch._inductor.codecache:FxGraphCachePickler",  # stable cache keys across processes
