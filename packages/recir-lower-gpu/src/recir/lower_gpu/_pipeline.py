@@ -196,7 +196,11 @@ class SplitRepeatedRegions(Transform):
             self.split = None
             return TransformResult(step, False, {"whole": split.reason})
         self.split = split
-        return TransformResult(step, False, {"pieces": len(split.pieces), "distinct": len(set(split.codes))})
+        return TransformResult(
+            step,
+            False,
+            {"pieces": len(split.pieces), "distinct": len(set(split.codes)), "hoisted": split.hoisted},
+        )
 
 
 @register_transform

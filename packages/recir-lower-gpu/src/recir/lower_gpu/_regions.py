@@ -20,9 +20,11 @@ its input (``copy_``) by the piece that computes it, or by the last piece that r
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import heapq
 import operator
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,34 +120,73 @@ class _Piece:
 class RegionSplit:
     """The step's pieces, their distinct codes, and the order to run them in (see the module doc)."""
 
+    codes: list[str]  # per piece: equal codes compile once
+    lifted: list[list[Any]]  # per piece: its lifted integer constants
+    lift: list[tuple[bool, ...]]  # per piece: which of its liftable constants are lifted
+    lift_dtypes: list[list[torch.dtype]]
+
     def __init__(self, gm: fx.GraphModule, num_state: int) -> None:
         graph = gm.graph
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         body = [n for n in graph.nodes if n.op == "call_function"]
         output = graph.output_node()
-        flat = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+        self._flat = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+        self._num_state = num_state
+        self._order_of = {n: k for k, n in enumerate(graph.nodes)}
         keys = _keys(body)
         order = _reorder(body, keys)
-        pieces: list[_Piece] = []
-        piece_of: dict[fx.Node, int] = {}
+        groups: list[tuple[_Key, list[fx.Node]]] = []
+        group_of: dict[fx.Node, int] = {}
         for n in order:
             parent = n.args[0] if n.target is operator.getitem else None
-            if isinstance(parent, fx.Node) and parent in piece_of:  # tuples never cross pieces
-                piece_of[n] = piece_of[parent]
-                pieces[piece_of[n]].nodes.append(n)
+            if isinstance(parent, fx.Node) and parent in group_of:  # tuples never cross pieces
+                group_of[n] = group_of[parent]
+                groups[group_of[n]][1].append(n)
                 continue
-            if not pieces or pieces[-1].key != keys[n]:
-                pieces.append(_Piece(keys[n], []))
-            piece_of[n] = len(pieces) - 1
-            pieces[-1].nodes.append(n)
-        self.reason = _unsupported(graph, flat, num_state, self.placeholders, body)
-        self.pieces = pieces
+            if not groups or groups[-1][0] != keys[n]:
+                groups.append((keys[n], []))
+            group_of[n] = len(groups) - 1
+            groups[-1][1].append(n)
+        self.reason = _unsupported(graph, self._flat, num_state, self.placeholders, body)
+        self.pieces = [_Piece(k, list(nodes)) for k, nodes in groups]
         if self.reason is not None:
             return
         # the last piece that reads each state input, or a view of it
-        base = {n: alias_chain(n)[-1] for n in body}
+        self._base = {n: alias_chain(n)[-1] for n in body}
+        self.hoisted = 0  # nodes moved out of an instance's piece so that it shares its siblings' code
+        if not self._assemble(groups):
+            return
+        # An instance's piece whose code differs from its siblings' only by nodes that need nothing else of
+        # it (DLRMv3: the layer before the last scatters the last layer's candidate-row gradients back into
+        # all rows) shares their code once those nodes run as glue before it: one compile fewer.
+        for key in _outlier_keys(self.pieces, self.codes):
+            trial = _hoisted(groups, key, self.pieces, self.codes)
+            if trial is None:
+                continue
+            regrouped, sibling, moved = trial
+            before = (self.pieces, self.codes, self.lifted, self.lift, self.lift_dtypes)
+            if (
+                self._assemble(regrouped)
+                and (code := self._code_of(key)) is not None
+                and code == self._code_of(sibling)
+            ):
+                groups, self.hoisted = regrouped, self.hoisted + moved
+            else:  # not the siblings' code after all: the pieces as they were
+                self.reason = None
+                self.pieces, self.codes, self.lifted, self.lift, self.lift_dtypes = before
+
+    def _code_of(self, key: _Key) -> str | None:
+        found = [c for p, c in zip(self.pieces, self.codes) if p.key == key]
+        return found[0] if len(found) == 1 else None
+
+    def _assemble(self, groups: list[tuple[_Key, list[fx.Node]]]) -> bool:
+        """The pieces of ``groups`` with their inputs, outputs, state copies and codes; False (and
+        ``reason`` set) when a value without a tensor example crosses pieces."""
+        flat, num_state, base = self._flat, self._num_state, self._base
+        pieces = [_Piece(k, list(nodes)) for k, nodes in groups]
+        piece_of = {n: i for i, p in enumerate(pieces) for n in p.nodes}
         last_read: dict[fx.Node, int] = {}
-        for n in body:
+        for n in piece_of:
             for a in n.all_input_nodes:
                 root = base.get(a, a)
                 if root.op == "placeholder":
@@ -156,7 +197,6 @@ class RegionSplit:
             at = max(piece_of[new], last_read.get(ph, -1))
             pieces[at].copies.append((ph, new))
         final = [v for v in flat[num_state:] if isinstance(v, fx.Node)]
-        order_of = {n: k for k, n in enumerate(graph.nodes)}
         for p in pieces:
             # A view of an input made in another piece is made again here, from the input: the piece then
             # sees the aliasing (a state input it updates in place and a view of it read before).
@@ -170,7 +210,7 @@ class RegionSplit:
                 and piece_of[a] != piece_of[n]
                 for v in _view_nodes(a)
             }
-            p.nodes = sorted(views, key=order_of.__getitem__) + [n for n in p.nodes if n not in views]
+            p.nodes = sorted(views, key=self._order_of.__getitem__) + [n for n in p.nodes if n not in views]
         for p in pieces:
             local = set(p.nodes)
             seen: set[fx.Node] = set()
@@ -182,6 +222,7 @@ class RegionSplit:
         for i, p in enumerate(pieces):
             read_later = {a for q in pieces[i + 1 :] for a in q.inputs}
             p.outputs = [n for n in p.nodes if (n in final or n in read_later) and piece_of[n] == i]
+        self.pieces = pieces
         self.final = final
         self.user_outputs = flat[num_state:]
         crossing = next(
@@ -189,13 +230,14 @@ class RegionSplit:
         )
         if crossing is not None:
             self.reason = f"node %{crossing.name} crosses pieces without a tensor example value"
-            return
+            return False
         self.codes, self.lifted, self.lift = _codes(pieces)
         # the dtype of each lifted constant (that of the integer tensor it is added to), per piece
         self.lift_dtypes = [
             [n.args[0].meta["val"].dtype for n, m in zip(_lift_nodes(p), self.lift[i]) if m]  # type: ignore[union-attr]
             for i, p in enumerate(pieces)
         ]
+        return True
 
     def graph_module(self, i: int) -> fx.GraphModule:
         """Piece ``i`` as a GraphModule: its inputs, then its lifted constants, as placeholders."""
@@ -230,6 +272,72 @@ class RegionSplit:
         graph.output(tuple(env[o] for o in p.outputs))
         _placeholders_first(graph)
         return lazy_graph_module(torch.nn.Module(), graph)  # code written once, for the cache key
+
+
+def _node_key(n: fx.Node) -> tuple[str, tuple[int, ...] | None]:
+    val = n.meta.get("val")
+    return str(n.target), tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _sibling_codes(pieces: list[_Piece], codes: list[str]) -> dict[tuple[str, str], Counter[str]]:
+    """Per (phase, family of instances): how many of its pieces have each code."""
+    out: dict[tuple[str, str], Counter[str]] = {}
+    for p, c in zip(pieces, codes):
+        if p.key is not None:
+            out.setdefault((p.key[0], _family(p.key[1])), Counter())[c] += 1
+    return out
+
+
+def _outlier_keys(pieces: list[_Piece], codes: list[str]) -> list[_Key]:
+    """The instance pieces whose code is not the one at least two of their siblings share."""
+    shared = {fam: counts.most_common(1)[0] for fam, counts in _sibling_codes(pieces, codes).items()}
+    return [
+        p.key
+        for p, c in zip(pieces, codes)
+        if p.key is not None and (top := shared[(p.key[0], _family(p.key[1]))])[1] >= 2 and c != top[0]
+    ]
+
+
+def _hoisted(
+    groups: list[tuple[_Key, list[fx.Node]]], key: _Key, pieces: list[_Piece], codes: list[str]
+) -> tuple[list[tuple[_Key, list[fx.Node]]], _Key, int] | None:
+    """``groups`` with the nodes of ``key``'s piece that a sibling of the shared code lacks moved into the
+    glue before it, that sibling's key and the number moved; None when its nodes (op and shape, in
+    order) do not contain the sibling's, or a node to move reads one that stays."""
+    at = [i for i, p in enumerate(pieces) if p.key == key]
+    if len(at) != 1 or key is None:
+        return None
+    i = at[0]
+    target = _sibling_codes(pieces, codes)[(key[0], _family(key[1]))].most_common(1)[0][0]
+    sibling = next(
+        p.key for p, c in zip(pieces, codes) if c == target and p.key is not None and p.key[0] == key[0]
+    )
+    mine = groups[i][1]
+    theirs = next(nodes for k, nodes in groups if k == sibling)
+    if len(mine) <= len(theirs):
+        return None
+    matcher = difflib.SequenceMatcher(
+        None, [_node_key(n) for n in mine], [_node_key(n) for n in theirs], autojunk=False
+    )
+    blocks = matcher.get_matching_blocks()
+    if sum(b.size for b in blocks) != len(theirs):
+        return None
+    kept = {k for b in blocks for k in range(b.a, b.a + b.size)}
+    moved = [n for k, n in enumerate(mine) if k not in kept]
+    moving, own = set(moved), set(mine)
+    for n in mine:
+        if n in moving and any(a in own and a not in moving for a in n.all_input_nodes):
+            return None  # it needs a node that stays
+        parent = n.args[0] if n.target is operator.getitem else None
+        if parent in own and (n in moving) != (parent in moving):
+            return None  # tuples never cross pieces
+    rest = [n for n in mine if n not in moving]
+    regrouped = list(groups)
+    if i > 0 and regrouped[i - 1][0] is None:  # into the glue piece already there
+        regrouped[i - 1 : i + 1] = [(None, regrouped[i - 1][1] + moved), (key, rest)]
+    else:
+        regrouped[i : i + 1] = [(None, moved), (key, rest)]
+    return regrouped, sibling, len(moved)
 
 
 def _codes(pieces: list[_Piece]) -> tuple[list[str], list[list[Any]], list[tuple[bool, ...]]]:
