@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from recir.capture import capture_train_step
 from recir.lower_gpu._regions import RegionSplit, compile_regions
-from recir.transforms import SCOPE_KEY, ConfigError
+from recir.transforms import PHASE_KEY, SCOPE_KEY, ConfigError
 from torch import nn
 
 
@@ -44,6 +44,25 @@ class _Stack(nn.Module):
         return self.head(x.mean(1)).squeeze(-1)
 
 
+class _Scaled(_Block):
+    """A block whose normalised input is scaled: by a learned vector, or (``first``) by ``arange``."""
+
+    def __init__(self, d: int, first: bool) -> None:
+        super().__init__(d)
+        self.d = d
+        self.w = None if first else nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.arange(self.d, device=x.device) if self.w is None else self.w
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x) * scale))))
+
+
+class _ScaledStack(_Stack):
+    def __init__(self, layers: int = 3, d: int = 16) -> None:
+        super().__init__(layers, d)
+        self.blocks = nn.ModuleList(_Scaled(d, first=i == 0) for i in range(layers))
+
+
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.mse_loss(model(batch["ids"]), batch["y"])
 
@@ -53,9 +72,9 @@ def _batch(i: int) -> dict[str, torch.Tensor]:
     return {"ids": torch.randint(0, 40, (4, 6), generator=g), "y": torch.randn(4, generator=g)}
 
 
-def _step(layers: int = 3):
+def _step(layers: int = 3, stack: type[_Stack] = _Stack):
     torch.manual_seed(0)
-    model = _Stack(layers)
+    model = stack(layers)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     return model, opt, capture_train_step(model, opt, _loss, _batch(0))
 
@@ -85,8 +104,29 @@ def test_pieces_follow_the_repeated_modules_and_share_code():
     assert offsets[0] and len({tuple(o) for o in offsets}) == 3
 
 
-def test_pieces_run_as_fx_equal_the_whole_graph_bit_for_bit():
-    model, opt, step = _step()
+def test_a_hoist_that_leaves_the_codes_different_is_undone():
+    # block 0's extra nodes (the RNG key, its arange) read nothing of the block, but the product then reads
+    # an int64 input where its siblings read a float32 parameter: not their code, so nothing moves
+    _, _, step = _step(stack=_ScaledStack)
+    split = RegionSplit(step.graph_module, len(step.signature.state))
+    assert split.reason is None
+    assert split.hoisted == 0
+    code = {p.key: c for p, c in zip(split.pieces, split.codes) if p.key is not None}
+    assert code[("forward", "blocks.1")] == code[("forward", "blocks.2")] != code[("forward", "blocks.0")]
+    first = next(p for p in split.pieces if p.key == ("forward", "blocks.0"))
+    scoped = [
+        n
+        for n in step.graph_module.graph.nodes
+        if n.op == "call_function"
+        and str(n.meta.get(SCOPE_KEY, "")).startswith("blocks.0")
+        and n.meta.get(PHASE_KEY) == "forward"
+    ]
+    assert set(scoped) <= set(first.nodes)
+
+
+@pytest.mark.parametrize("stack", [_Stack, _ScaledStack], ids=["hoisted", "not-hoisted"])
+def test_pieces_run_as_fx_equal_the_whole_graph_bit_for_bit(stack):
+    model, opt, step = _step(stack=stack)
     gm, ns = step.graph_module, len(step.signature.state)
     state = step.init_state(model, opt)
 

@@ -13,6 +13,10 @@ whose differing constants are 0-d tensor inputs, and each distinct piece is comp
     backward: [glue] [layers.4] ... [layers.0] [glue]                 (the last layer's may differ)
     optimizer:[glue] [layers.0] ... [layers.4] [glue]                 5 -> 1
 
+An instance's piece whose nodes are its siblings' plus some that read nothing else of it (DLRMv3's
+first layer also builds the step's dropout key) runs those extra nodes as glue before it, and then
+shares their code; such a hoist is kept only when the codes then match.
+
 The pieces run in order, each value freed after its last reader. Each new state value is written into
 its input (``copy_``) by the piece that computes it, or by the last piece that reads the old value.
 """
@@ -310,7 +314,9 @@ def _hoisted(
     i = at[0]
     target = _sibling_codes(pieces, codes)[(key[0], _family(key[1]))].most_common(1)[0][0]
     sibling = next(
-        p.key for p, c in zip(pieces, codes) if c == target and p.key is not None and p.key[0] == key[0]
+        p.key
+        for p, c in zip(pieces, codes)
+        if c == target and p.key is not None and (p.key[0], _family(p.key[1])) == (key[0], _family(key[1]))
     )
     mine = groups[i][1]
     theirs = next(nodes for k, nodes in groups if k == sibling)
