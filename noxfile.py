@@ -255,7 +255,7 @@ def standalone(session: nox.Session, package: str) -> None:
     is absent, and its `smoke` tests pass (those needing TorchRec, FBGEMM or an undeclared sibling are skipped).
 
     Only the smoke tests: the whole suite already runs in `cpu` and `tpu`, and running every package's tests a
-    second time here took 22 minutes of a 2-core AVX2 machine's 103-minute CI run. `-- -m "not gpu"` runs them
+    second time here took about 22 minutes of a CI run on course for 103 on a 2-core AVX2 machine. `-- -m "not gpu"` runs them
     all."""
     module, absent = STANDALONE[package]
     _sync(session, "--package", package, "--no-default-groups")
