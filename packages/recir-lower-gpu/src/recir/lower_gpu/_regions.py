@@ -163,11 +163,11 @@ class RegionSplit:
         # An instance's piece whose code differs from its siblings' only by nodes that need nothing else of
         # it (DLRMv3: the layer before the last scatters the last layer's candidate-row gradients back into
         # all rows) shares their code once those nodes run as glue before it: one compile fewer.
-        for key in _outlier_keys(self.pieces, self.codes):
-            trial = _hoisted(groups, key, self.pieces, self.codes)
+        for key, sibling in _outliers(self.pieces, self.codes):
+            trial = _hoisted(groups, key, sibling)
             if trial is None:
                 continue
-            regrouped, sibling, moved = trial
+            regrouped, moved = trial
             before = (self.pieces, self.codes, self.lifted, self.lift, self.lift_dtypes)
             if (
                 self._assemble(regrouped)
@@ -283,41 +283,32 @@ def _node_key(n: fx.Node) -> tuple[str, tuple[int, ...] | None]:
     return str(n.target), tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _sibling_codes(pieces: list[_Piece], codes: list[str]) -> dict[tuple[str, str], Counter[str]]:
-    """Per (phase, family of instances): how many of its pieces have each code."""
-    out: dict[tuple[str, str], Counter[str]] = {}
+def _outliers(pieces: list[_Piece], codes: list[str]) -> list[tuple[_Key, _Key]]:
+    """Each instance piece whose code is not the one at least two of its siblings (same phase and module
+    family) share, with one of those siblings."""
+    families: dict[tuple[str, str], list[tuple[_Key, str]]] = {}
     for p, c in zip(pieces, codes):
         if p.key is not None:
-            out.setdefault((p.key[0], _family(p.key[1])), Counter())[c] += 1
+            families.setdefault((p.key[0], _family(p.key[1])), []).append((p.key, c))
+    out: list[tuple[_Key, _Key]] = []
+    for members in families.values():
+        shared, count = Counter(c for _, c in members).most_common(1)[0]
+        if count >= 2:
+            sibling = next(k for k, c in members if c == shared)
+            out += [(k, sibling) for k, c in members if c != shared]
     return out
 
 
-def _outlier_keys(pieces: list[_Piece], codes: list[str]) -> list[_Key]:
-    """The instance pieces whose code is not the one at least two of their siblings share."""
-    shared = {fam: counts.most_common(1)[0] for fam, counts in _sibling_codes(pieces, codes).items()}
-    return [
-        p.key
-        for p, c in zip(pieces, codes)
-        if p.key is not None and (top := shared[(p.key[0], _family(p.key[1]))])[1] >= 2 and c != top[0]
-    ]
-
-
 def _hoisted(
-    groups: list[tuple[_Key, list[fx.Node]]], key: _Key, pieces: list[_Piece], codes: list[str]
-) -> tuple[list[tuple[_Key, list[fx.Node]]], _Key, int] | None:
-    """``groups`` with the nodes of ``key``'s piece that a sibling of the shared code lacks moved into the
-    glue before it, that sibling's key and the number moved; None when its nodes (op and shape, in
-    order) do not contain the sibling's, or a node to move reads one that stays."""
-    at = [i for i, p in enumerate(pieces) if p.key == key]
-    if len(at) != 1 or key is None:
+    groups: list[tuple[_Key, list[fx.Node]]], key: _Key, sibling: _Key
+) -> tuple[list[tuple[_Key, list[fx.Node]]], int] | None:
+    """``groups`` with the nodes of ``key``'s group that ``sibling``'s lacks moved into the glue before it,
+    and the number moved; None when its nodes (op and shape, in order) do not contain the sibling's, or a
+    node to move reads one that stays."""
+    at = [i for i, (k, _) in enumerate(groups) if k == key]
+    if len(at) != 1:
         return None
     i = at[0]
-    target = _sibling_codes(pieces, codes)[(key[0], _family(key[1]))].most_common(1)[0][0]
-    sibling = next(
-        p.key
-        for p, c in zip(pieces, codes)
-        if c == target and p.key is not None and (p.key[0], _family(p.key[1])) == (key[0], _family(key[1]))
-    )
     mine = groups[i][1]
     theirs = next(nodes for k, nodes in groups if k == sibling)
     if len(mine) <= len(theirs):
@@ -343,7 +334,7 @@ def _hoisted(
         regrouped[i - 1 : i + 1] = [(None, regrouped[i - 1][1] + moved), (key, rest)]
     else:
         regrouped[i : i + 1] = [(None, moved), (key, rest)]
-    return regrouped, sibling, len(moved)
+    return regrouped, len(moved)
 
 
 def _codes(pieces: list[_Piece]) -> tuple[list[str], list[list[Any]], list[tuple[bool, ...]]]:
