@@ -3,7 +3,9 @@
 # README was made): the gpu-marked tests beside the full-size DLRMv3 benchmark on CUDA, on separate CPU
 # cores, logs under $OUT. Missing packages travel as wheels in .whl/ (torchrec, fbgemm-gpu-cpu or
 # fbgemm-gpu built for that torch, tensordict, pyvers, iopath); see the README's "From a preinstalled
-# stack". Keep it under 9 minutes: BENCH_SECONDS bounds the benchmark.
+# stack". Keep it under 9 minutes: BENCH_SECONDS bounds the benchmark, ROW_SECONDS each row. The GPU-path rows
+# compile one step per token budget (TOKEN_BUCKETS, default 1 here: 4 budgets' cold compiles of the full-size
+# step took over 170 s on the H200 machine's CPU, beside the tests).
 # Use: OUT=/some/dir bash benchmarks/gpu_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -43,7 +45,8 @@ TESTS=$!
 el "benchmark: full-size DLRMv3 on CUDA"
 timeout "${BENCH_SECONDS:-420}" $PIN_A python3 benchmarks/dlrmv3.py --device cuda --configs "${CONFIGS:-1024}" \
   --batch_size "${BATCH:-32}" --targets "${TARGETS:-eager,gpu,gpu+graphs,torch.compile}" --precisions bf16,fp32 \
-  --threads 4 --rounds 3 --steps 5 --warmup 2 --timeout 170 2>&1 | tee "$OUT/bench.log"
+  --threads 4 --rounds 3 --steps 5 --warmup 2 --timeout "${ROW_SECONDS:-170}" --token_buckets "${TOKEN_BUCKETS:-1}" \
+  2>&1 | tee "$OUT/bench.log"
 wait $TESTS
 cat "$OUT/tests.log"
 el "done"

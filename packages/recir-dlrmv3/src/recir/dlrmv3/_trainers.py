@@ -507,11 +507,13 @@ def make_trainer(
     if len(token_buckets) < 2:
         return first
 
+    where = example.token_index.device  # capture sees the model's device (a CUDA run feeds CUDA batches)
+
     def make(batch: Batch, state: Any) -> CompiledTrainer:
         return CompiledTrainer(
             model,
             optimizers,
-            batch,
+            batch.to(where) if batch.token_index.device != where else batch,
             target,
             *args,
             recompute=recompute,

@@ -24,9 +24,13 @@ EMBEDDING_BAG_MODES = ("sum", "mean")
 
 
 def bag_segment_ids(offsets: Tensor, num_indices: int) -> Tensor:
-    """For each of ``num_indices`` ids, the bag it belongs to (offsets has B+1 entries). Static shape."""
+    """For each of ``num_indices`` ids, the bag it belongs to (offsets has B+1 entries). Static shape.
+
+    The whole ``offsets`` is searched (offsets[0] is 0, so every position counts it once) rather than the
+    view ``offsets[1:]``: Inductor's Triton searchsorted cannot read a slice of a computed buffer (torch
+    2.11 on CUDA: ``NotImplementedError: SliceView``)."""
     positions = torch.arange(num_indices, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets[1:], positions, right=True)
+    return (torch.searchsorted(offsets, positions, right=True) - 1).clamp_min(0)
 
 
 def embedding_bag_reference(

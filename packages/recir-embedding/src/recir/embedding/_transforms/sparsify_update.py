@@ -172,7 +172,9 @@ def _per_id_grads(term: _Term, xs: list[torch.Tensor], dim: int) -> tuple[torch.
     offsets = xs[2]
     bags = g.shape[0]  # offsets has B entries, or B + 1 with include_last_offset
     positions = torch.arange(ids.shape[0], device=ids.device, dtype=offsets.dtype)
-    bag = torch.searchsorted(offsets[1:bags], positions, right=True)
+    # bag b holds positions offsets[b] <= p < offsets[b + 1]; the whole offsets is searched, not the view
+    # offsets[1:bags] (Inductor's Triton searchsorted cannot read a slice of a computed buffer)
+    bag = (torch.searchsorted(offsets, positions, right=True) - 1).clamp(0, bags - 1)
     rows = g.index_select(0, bag)
     if has_psw:
         rows = rows * xs[3].unsqueeze(1).to(rows.dtype)
