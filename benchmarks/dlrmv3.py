@@ -340,7 +340,11 @@ def main() -> None:
                     err = " | ".join(run.stderr.strip().splitlines()[-3:]) or "no output"
                     print(f"{row}  failed: {err[-400:]}", flush=True)
                     # the whole traceback on stderr: the table's line keeps only its end
-                    print(f"--- {row.split()} stderr:\n{run.stderr[-20000:]}", file=sys.stderr, flush=True)
+                    print(
+                        f"--- {' '.join(row.split())}: stderr\n{run.stderr[-20000:]}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
                 r = json.loads(lines[-1][len("RESULT ") :])
                 if target == "eager":
