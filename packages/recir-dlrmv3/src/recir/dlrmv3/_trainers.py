@@ -513,7 +513,7 @@ def make_trainer(
         return CompiledTrainer(
             model,
             optimizers,
-            batch.to(where) if batch.token_index.device != where else batch,
+            batch.to(where),
             target,
             *args,
             recompute=recompute,

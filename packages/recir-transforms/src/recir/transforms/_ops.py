@@ -24,7 +24,8 @@ EMBEDDING_BAG_MODES = ("sum", "mean")
 
 
 def bag_segment_ids(offsets: Tensor, num_indices: int) -> Tensor:
-    """For each of ``num_indices`` ids, the bag it belongs to (offsets has B+1 entries). Static shape.
+    """For each of ``num_indices`` ids, the bag it belongs to (offsets has B+1 entries, or B without the last
+    offset: the last bag then takes the rest). Static shape.
 
     The whole ``offsets`` is searched (offsets[0] is 0, so every position counts it once) rather than the
     view ``offsets[1:]``: Inductor's Triton searchsorted cannot read a slice of a computed buffer (torch

@@ -20,6 +20,7 @@ from recir.transforms import (
     StepGraph,
     Transform,
     TransformResult,
+    bag_segment_ids,
     grad_nodes,
     optim_param,
     optimizer_infos,
@@ -171,10 +172,7 @@ def _per_id_grads(term: _Term, xs: list[torch.Tensor], dim: int) -> tuple[torch.
     mode, padding_idx, has_psw = term.bag
     offsets = xs[2]
     bags = g.shape[0]  # offsets has B entries, or B + 1 with include_last_offset
-    positions = torch.arange(ids.shape[0], device=ids.device, dtype=offsets.dtype)
-    # bag b holds positions offsets[b] <= p < offsets[b + 1]; the whole offsets is searched, not the view
-    # offsets[1:bags] (Inductor's Triton searchsorted cannot read a slice of a computed buffer)
-    bag = (torch.searchsorted(offsets, positions, right=True) - 1).clamp(0, bags - 1)
+    bag = bag_segment_ids(offsets, ids.shape[0]).clamp_max(bags - 1)
     rows = g.index_select(0, bag)
     if has_psw:
         rows = rows * xs[3].unsqueeze(1).to(rows.dtype)
