@@ -126,15 +126,18 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     model.train()  # capture traces the training step; to_inference drops dropout
     step = capture_train_step(model, optimizers, loss_fn, batch, overrides=overrides())
     served = to_inference(step)
-    tensors = served.init_state(model, optimizers)
     graphs = [("", served)]
     if args.bf16:  # the serving graph's products on bf16 copies (recir-dlrmv3 export --precision bf16)
         graphs.append((" bf16", serving_pipeline(None, "bf16").run(to_inference(step))))
+    for q in args.quantize:  # tables stored quantised (export --quantize Q --quantize_kernel K)
+        for kernel in ("aten", "fbgemm"):
+            graphs.append((f" {q} {kernel}", serving_pipeline(q, "fp32", kernel).run(to_inference(step))))
     model.eval()
     with torch.no_grad():
         expected = model(batch)
         rows.append(("eager eval(), full sequence", time_it(lambda: model(batch)), 0.0))
     for tag, graph in graphs:
+        tensors = graph.init_state(model, optimizers)
         stem = f"full.{B}{tag.replace(' ', '.')}"
         if "gpu" in args.paths:
             path = work / f"{stem}.pt2"
@@ -221,9 +224,18 @@ def main() -> None:
         help="also time the artifacts with bf16 matrix products (export --precision bf16), full sequence "
         "and cached history",
     )
+    p.add_argument(
+        "--quantize",
+        default="",
+        help="also time full-sequence artifacts with the tables stored quantised, comma-separated int8/fp16, "
+        "each with both --quantize_kernel choices (aten; fbgemm: FBGEMM's inference TBE in the .pt2)",
+    )
     p.add_argument("--workdir", default=None, help="where the artifacts go (default: a temporary directory)")
     args = p.parse_args()
     args.paths = [x for x in args.paths.split(",") if x]
+    args.quantize = [x for x in args.quantize.split(",") if x]
+    if any(q not in ("int8", "fp16") for q in args.quantize):
+        p.error(f"--quantize takes int8 and/or fp16, got {args.quantize}")
     bad = [x for x in args.paths if x not in ("gpu", "tpu")]
     if bad:
         p.error(f"--paths takes gpu and/or tpu, got {bad}")

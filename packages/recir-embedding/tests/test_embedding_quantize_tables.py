@@ -7,13 +7,21 @@ import copy
 
 import pytest
 import torch
+import torch.fx as fx
 from recir.capture import capture_train_step, testing
 from recir.embedding import (
+    QTYPES,
     QUANTIZE_KEY,
     QuantizeTables,
     dequantize_rows,
+    lower_quantized_lookups,
     overrides,
+    pack_rows,
+    packed_row_bytes,
+    prepare_for_lowering,
     quantize_rows,
+    quantized_lookup_reference,
+    unpack_rows,
 )
 from recir.transforms import ConfigError, Pipeline, StepGraph, apply_overrides, to_inference, verify
 from torch import nn
@@ -180,3 +188,96 @@ def test_preconditions_and_skipped_tables() -> None:
     result = QuantizeTables()(to_inference(tied_step, 1))
     assert not result.changed
     assert "reads the table, not a lookup" in result.stats["skipped"]["param:emb.weight"]
+
+
+# -- kernel="fbgemm": FBGEMM's inference-TBE rows, read by recir::quantized_lookup ------------------------
+@pytest.mark.parametrize("dtype", ["int8", "fp16"])
+def test_packed_rows_are_fbgemms_inference_tbe_rows(dtype: str) -> None:
+    """``pack_rows`` writes what FBGEMM's inference TBE reads: its kernel and the ATen reference agree on
+    every pooling (none, sum, mean, weighted sum; an empty bag), and the rows are within half a step."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g) * 3
+    w[3] = 1.5  # a constant row: scale 0
+    packed = pack_rows(w, dtype)
+    assert packed.dtype == torch.uint8 and packed.shape == (40, packed_row_bytes(24, dtype))
+    assert packed.shape[1] % 16 == 0 and packed_row_bytes(24, dtype) == (32 if dtype == "int8" else 48)
+    rows = unpack_rows(packed, 24, dtype)
+    if dtype == "int8":  # fp16 scale and bias, q rounded against them: half a step, plus their rounding
+        scale = packed[:, :2].contiguous().view(torch.float16).float()
+        bound = scale / 2 + (w.abs().amax(1, keepdim=True) + 255 * scale) * 2**-11
+        assert bool(((rows - w).abs() <= bound).all())
+        assert torch.equal(rows[3], torch.full((24,), 1.5))
+    else:
+        assert torch.equal(rows, w.half().float())
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        pack_rows(w, "int4")
+    pytest.importorskip("fbgemm_gpu")
+    from recir.embedding._quantized_lookup import fbgemm_lookup
+
+    ids = torch.randint(0, 40, (30,), generator=g)
+    offsets = torch.tensor([0, 4, 4, 17, 30])
+    psw = torch.rand(30, generator=g)
+    for pooling, weights in ((2, None), (0, None), (1, None), (0, psw)):
+        offs = torch.arange(31) if pooling == 2 else offsets
+        ref = quantized_lookup_reference(packed, ids, offs, weights, pooling, 24, QTYPES[dtype])
+        assert ref.shape == ((30, 24) if pooling == 2 else (4, 24))
+        got = fbgemm_lookup(packed, ids, offs, weights, pooling, 24, QTYPES[dtype])
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_fbgemm_kernel_stores_packed_rows_and_lowers_to_fbgemm() -> None:
+    model, opt, batch, serving = _serving()
+    result = QuantizeTables(dtype="int8", kernel="fbgemm")(serving)
+    step = result.step
+    verify(step, level=2)
+    assert [(s.name, s.dtype, s.shape) for s in step.signature.state[:2]] == [
+        ("param:emb.weight_fbgemm_int8", torch.uint8, (20, 16)),
+        ("param:fc.weight", torch.float32, (2, 7)),
+    ]
+    assert step.meta[QUANTIZE_KEY]["kernel"] == "fbgemm"
+    (lookup,) = [n for n in step.graph.nodes if n.target is torch.ops.recir.quantized_lookup.default]
+    assert lookup.meta["recir.override"] == "recir-embed-quantized-lookup"
+    state = step.init_state(model, opt)
+    assert torch.equal(state[0], pack_rows(model.emb.weight, "int8"))
+    _, (got,) = step(state, batch)
+    _, (exact,) = serving(serving.init_state(model, opt), batch)
+    assert 0 < float((got - exact).abs().max()) < 2e-2  # quantised, not float
+
+    def lookups(s: StepGraph) -> int:
+        return sum(n.target is torch.ops.recir.quantized_lookup.default for n in s.graph.nodes)
+
+    # the lowerings inline the ATen reference (the TPU path through torchax), unless asked to keep it
+    inlined = prepare_for_lowering(step, backend="in_graph", target="tpu")
+    assert lookups(inlined) == 0
+    _, (same,) = inlined(state, batch)
+    torch.testing.assert_close(same, got, rtol=0, atol=0)
+    kept = prepare_for_lowering(
+        step, backend="in_graph", target="gpu", device="cpu", sparse_updates=False, keep_checks=False,
+        keep_quantized=True,
+    )  # fmt: skip
+    assert lookups(kept) == 1
+    pytest.importorskip("fbgemm_gpu")
+    gm = fx.GraphModule(kept.graph_module, copy.deepcopy(kept.graph))
+    assert lower_quantized_lookups(gm, "cpu") == 1
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "fbgemm.int_nbit_split_embedding_codegen_lookup_function.default" in targets
+    out = gm(*state, *kept.signature.flatten_batch(batch))
+    torch.testing.assert_close(out[-1], got, rtol=1e-6, atol=1e-6)
+
+
+def test_fbgemm_kernel_falls_back_to_unpacked_rows_for_max_pooling() -> None:
+    """FBGEMM's inference TBE has no max pooling: such a bag unpacks the gathered rows and pools in ATen."""
+    model, opt, batch, _ = _serving()
+    model.emb.mode = "max"
+    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
+    step = QuantizeTables(dtype="fp16", kernel="fbgemm")(serving).step
+    verify(step, level=2)
+    assert not any(n.target is torch.ops.recir.quantized_lookup.default for n in step.graph.nodes)
+    assert step.signature.state[0].name == "param:emb.weight_fbgemm_fp16"
+    _, (got,) = step(step.init_state(model, opt), batch)
+    half = copy.deepcopy(model)
+    half.emb.weight.data = half.emb.weight.data.half().float()
+    _, (want,) = serving(serving.init_state(half, opt), batch)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="kernel must be one of"):
+        QuantizeTables(dtype="int8", kernel="int4")  # type: ignore[arg-type]

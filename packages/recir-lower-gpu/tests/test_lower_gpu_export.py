@@ -16,7 +16,9 @@ from recir.transforms import ConfigError, to_inference
 
 _CHILD = r"""
 import sys
-sys.modules["recir"] = None  # torch alone
+sys.modules["recir"] = None  # torch alone (and FBGEMM when the package calls its kernels)
+if sys.argv[3:] == ["fbgemm"]:
+    import fbgemm_gpu
 import torch
 import torch._inductor.codecache  # torch 2.10's aoti_load_package uses it without importing it
 path, inputs = sys.argv[1], sys.argv[2]
@@ -101,6 +103,42 @@ def test_quantised_serving_graph_exports_with_baked_or_input_state(
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "False"  # no recir module was loaded
     torch.testing.assert_close(torch.load(tmp_path / "inputs.pt.out"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fbgemm_quantised_tables_export_calls_fbgemms_inference_tbe(
+    tmp_path, lower_gpu_cache_dir, monkeypatch
+):
+    """``QuantizeTables(kernel="fbgemm")``: the package calls FBGEMM's inference TBE (it loads after
+    ``import fbgemm_gpu`` and not without it), RecIR still not importable, and gives the reference's values."""
+    pytest.importorskip("fbgemm_gpu")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", lower_gpu_cache_dir)
+    torch.manual_seed(0)
+    model = testing.ServingModel()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    batch = testing.serving_batch()
+    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
+    quantized = QuantizeTables(dtype="int8", kernel="fbgemm")(serving).step
+    state = quantized.init_state(model, opt)
+    manifest = lg.export(quantized, tmp_path / "model.pt2", device="cpu")
+    assert manifest["requires"] == ["fbgemm_gpu"] and "fbgemm_gpu" in manifest["versions"]
+    assert "import fbgemm_gpu" in manifest["format"]
+    assert manifest["state"][0] == {
+        "name": "param:emb.weight_fbgemm_int8",
+        "shape": [20, 16],
+        "dtype": "uint8",
+    }
+    _, (expected,) = quantized(state, batch)
+    torch.save(
+        {"state": list(state), "batch": quantized.signature.flatten_batch(batch)}, tmp_path / "inputs.pt"
+    )
+    run = [sys.executable, "-c", _CHILD, str(tmp_path / "model.pt2"), str(tmp_path / "inputs.pt")]
+    out = subprocess.run([*run, "fbgemm"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"  # no recir module was loaded
+    torch.testing.assert_close(torch.load(tmp_path / "inputs.pt.out"), expected, rtol=1e-6, atol=1e-6)
+    without = subprocess.run(run, capture_output=True, text=True, timeout=600)
+    assert without.returncode != 0
+    assert "fbgemm::int_nbit_split_embedding_codegen_lookup_function" in without.stderr
 
 
 def test_cpu_packages_add_the_bias_after_the_product(tmp_path):

@@ -71,16 +71,21 @@ def test_exported_serving_graph_runs_with_jax_alone(tmp_path):
     np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype,baked", [("int8", True), ("fp16", False), ("none", True)])
-def test_quantised_or_baked_serving_graph_runs_with_jax_alone(tmp_path, dtype, baked):
+@pytest.mark.parametrize(
+    "dtype,baked,kernel",
+    [("int8", True, "aten"), ("fp16", False, "aten"), ("none", True, "aten"), ("int8", False, "fbgemm")],
+)
+def test_quantised_or_baked_serving_graph_runs_with_jax_alone(tmp_path, dtype, baked, kernel):
     """Quantised tables (recir-embed-quantize-tables) are plain ATen, so the artifact still runs with JAX
-    alone; ``baked_state`` embeds the state as StableHLO constants (the call takes the batch alone)."""
+    alone; ``baked_state`` embeds the state as StableHLO constants (the call takes the batch alone).
+    ``kernel="fbgemm"`` tables (FBGEMM's packed uint8 rows) lower through recir::quantized_lookup's ATen
+    reference, their fp16 scale and bias read by ``aten::view.dtype``."""
     torch.manual_seed(0)
     model = testing.ServingModel()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     batch = testing.serving_batch()
     serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
-    step = serving if dtype == "none" else QuantizeTables(dtype=dtype)(serving).step
+    step = serving if dtype == "none" else QuantizeTables(dtype=dtype, kernel=kernel)(serving).step
     state = step.init_state(model, opt)
     compiled = compile(step)
     if baked:
@@ -92,7 +97,10 @@ def test_quantised_or_baked_serving_graph_runs_with_jax_alone(tmp_path, dtype, b
     assert [s["name"] for s in specs] == step.signature.state_names()
     if dtype != "none":
         assert manifest["meta"]["recir.quantize"]["dtype"] == dtype
-        assert specs[0]["dtype"] == {"int8": "uint8", "fp16": "float16"}[dtype]
+        assert manifest["meta"]["recir.quantize"]["kernel"] == kernel
+        assert (
+            specs[0]["dtype"] == {"int8": "uint8", "fp16": "float16" if kernel == "aten" else "uint8"}[dtype]
+        )
     _, (expected,) = step(state, batch)
     flat = step.signature.flatten_batch(batch)
     got = _run_with_jax_alone(tmp_path, [] if baked else state, flat, manifest["batch"])

@@ -135,6 +135,21 @@ def test_searchsorted_honours_right_and_out_int32():
         assert got.tolist() == torch.searchsorted(seq, vals, right=right).tolist()
 
 
+def test_view_dtype_reinterprets_bytes_as_aten_does():
+    """``Tensor.view(dtype)`` to a wider, narrower and same-size dtype: the same bits as torch's."""
+    fn = registered_jax_lowerings()["aten::view.dtype"]
+    g = torch.Generator().manual_seed(0)
+    half = torch.randn(3, 6, generator=g).half()
+    raw = half.view(torch.uint8)  # [3, 12]
+    for x, dtype in ((raw, torch.float16), (half, torch.uint8), (half, torch.int16), (raw, torch.float32)):
+        want = x.view(dtype)
+        got = fn(jnp.asarray(x.numpy()), dtype)
+        assert tuple(got.shape) == tuple(want.shape) and str(got.dtype) == str(want.dtype).removeprefix(
+            "torch."
+        )
+        assert got.tobytes() == want.numpy().tobytes(), (x.dtype, dtype)
+
+
 def test_builtin_lowerings_are_listed():
     names = set(registered_jax_lowerings())
     for op in (

@@ -327,6 +327,15 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
         help="store the embedding tables int8 (row-wise scale and bias, as FBGEMM) or fp16 (default %(default)s)",
     )
     ex.add_argument(
+        "--quantize_kernel",
+        choices=("aten", "fbgemm"),
+        default="aten",
+        help="with --quantize: aten stores scale and bias apart and reads rows in plain ATen (the artifact runs "
+        "with torch or JAX alone); fbgemm stores FBGEMM's inference-TBE rows, read by FBGEMM's kernel in the "
+        "GPU stack's package (which then needs fbgemm_gpu to load) and in plain JAX on the TPU stack "
+        "(default %(default)s)",
+    )
+    ex.add_argument(
         "--precision",
         choices=("fp32", "bf16"),
         default="fp32",
@@ -429,6 +438,7 @@ def _run(args: argparse.Namespace) -> int:
                     args.out,
                     log=log_info,
                     quantize=args.quantize,
+                    quantize_kernel=args.quantize_kernel,
                     bake=args.bake,
                     serving=args.serving,
                     candidates=args.candidates,

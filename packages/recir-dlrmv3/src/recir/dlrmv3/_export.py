@@ -13,8 +13,10 @@ such an artifact over a dataset's eval batches and prints the metrics `train` pr
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,13 +39,16 @@ def _options(recorded: dict[str, Any], **changes: Any) -> TrainOptions:
     return TrainOptions(**kept)
 
 
-def serving_pipeline(quantize: str | None, precision: str) -> Any:
+def serving_pipeline(quantize: str | None, precision: str, quantize_kernel: str = "aten") -> Any:
     """The rewrites `export` applies to the serving graph (a `recir.transforms.Pipeline`, empty for fp32
-    tables and products): `quantize` ("int8"/"fp16") tables row-wise, `precision="bf16"` products."""
+    tables and products): `quantize` ("int8"/"fp16") tables row-wise, stored for `quantize_kernel`
+    ("aten": plain ATen; "fbgemm": FBGEMM's inference-TBE rows), `precision="bf16"` products."""
     from recir.embedding import QuantizeTables
     from recir.transforms import MixedPrecision, Pipeline
 
-    transforms: list[Any] = [] if quantize is None else [QuantizeTables(dtype=quantize)]
+    transforms: list[Any] = (
+        [] if quantize is None else [QuantizeTables(dtype=quantize, kernel=quantize_kernel)]
+    )
     if precision == "bf16":
         transforms.append(MixedPrecision(compute_dtype="bfloat16", phases=("forward",)))
     return Pipeline(transforms, name="serving")
@@ -59,6 +64,7 @@ def export_model(
     serving: str = "full",
     candidates: int | None = None,
     precision: str = "fp32",
+    quantize_kernel: str = "aten",
 ) -> dict[str, Any]:
     """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest.
 
@@ -68,10 +74,12 @@ def export_model(
     against `candidates` candidates (default: the trained `--num_candidates`; any count on the GPU stack).
     `precision="bf16"`: the serving graph's matrix products on bf16 copies of their fp32 operands, results
     back in fp32 (`recir-mixed-precision`, forward phase; on cached-history artifacts the same casts,
-    `_serving_export.bf16_products`); parameters stay fp32."""
+    `_serving_export.bf16_products`); parameters stay fp32. `quantize_kernel="fbgemm"`: the quantised
+    tables in FBGEMM's inference-TBE rows, read by FBGEMM's kernel in the GPU stack's package (which then
+    needs `fbgemm_gpu` to load) and by the same rows' ATen reference on the TPU stack."""
     from recir.capture import capture_train_step, load_into
     from recir.distributed import write_atomically
-    from recir.embedding import QUANT_DTYPES, QuantizeTables, overrides
+    from recir.embedding import QUANT_DTYPES, QUANT_KERNELS, QuantizeTables, overrides
     from recir.transforms import MixedPrecision, to_inference
 
     from ._checkpoint import load_checkpoint
@@ -83,6 +91,14 @@ def export_model(
     if quantize not in (None, "none", *QUANT_DTYPES):
         raise ConfigError(f"--quantize must be one of none, {', '.join(QUANT_DTYPES)}; got {quantize!r}")
     quantize = None if quantize == "none" else quantize
+    if quantize_kernel not in QUANT_KERNELS:
+        raise ConfigError(
+            f"--quantize_kernel must be one of {', '.join(QUANT_KERNELS)}; got {quantize_kernel!r}"
+        )
+    if quantize_kernel != "aten" and quantize is None:
+        raise ConfigError(
+            f"--quantize_kernel {quantize_kernel} reads quantised tables. Fix: add --quantize int8 or fp16"
+        )
     if serving not in ("full", "cached-history"):
         raise ConfigError(f"--serving must be full or cached-history, got {serving!r}")
     if precision not in ("fp32", "bf16"):
@@ -115,7 +131,7 @@ def export_model(
     log(f"export: {checkpoint} (step {meta.get('step')}) for --target {target}")
     step = capture_train_step(model, optimizers, loss_fn, data.train_batch(0), overrides=overrides())
     served = to_inference(step)  # aux.0: the multitask logits
-    pipeline = serving_pipeline(quantize, precision)
+    pipeline = serving_pipeline(quantize, precision, quantize_kernel)
     stats: dict[str, Any] = {}
     if pipeline.transforms:
         served = pipeline.run(served)
@@ -123,8 +139,8 @@ def export_model(
     if quantize is not None:
         q = stats[QuantizeTables.name]
         log(
-            f"export: {q.get('tables', 0)} table(s) stored {quantize}: {q.get('table_bytes', 0)} -> "
-            f"{q.get('quantized_bytes', 0)} bytes"
+            f"export: {q.get('tables', 0)} table(s) stored {quantize} for the {quantize_kernel} kernel: "
+            f"{q.get('table_bytes', 0)} -> {q.get('quantized_bytes', 0)} bytes"
         )
     if precision == "bf16":
         mp = stats[MixedPrecision.name]
@@ -145,6 +161,7 @@ def export_model(
             "checkpoint": str(checkpoint),
             "step": meta.get("step"),
             "quantize": quantize or "none",
+            "quantize_kernel": quantize_kernel,
             "precision": precision,
             "bake": bake,
             "options": dataclasses.asdict(opts),
@@ -171,7 +188,10 @@ def predict(
     data_dir: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Run the exported `artifact` over `num_batches` eval batches; returns (and logs) the metrics."""
+    """Run the exported `artifact` over `num_batches` eval batches; returns (and logs) `train`'s eval
+    metrics plus the artifact's latency per batch (`predict/p50_ms`, `predict/p99_ms`: each batch's call,
+    inputs converted and logits back as a torch tensor, after one untimed warm-up call on the first batch)
+    and throughput (`predict/samples_per_s`: users scored per second of those calls)."""
     from ._metrics import MetricAccumulator
     from ._train import build
 
@@ -201,15 +221,31 @@ def predict(
         flat_run = _runner(info["target"], artifact, state, manifest)
         run = lambda batch: flat_run(pytree.tree_leaves(batch))  # noqa: E731
     acc = MetricAccumulator(tuple(t.name for t in data.spec.tasks))
-    for batch in data.eval_batches(num_batches):
+    seconds: list[float] = []
+    samples = 0
+    for i, batch in enumerate(data.eval_batches(num_batches)):
         labels, weights = model.labels(batch)
-        acc.update(run(batch), labels, weights)
+        if i == 0:
+            run(batch)  # warm-up, not timed: a JAX artifact compiles on its first call
+        started = time.perf_counter()
+        logits = run(batch)
+        seconds.append(time.perf_counter() - started)
+        samples += int(logits.shape[0])
+        acc.update(logits, labels, weights)
     metrics = acc.compute()
+    ms = np.asarray(seconds) * 1000.0
+    timing = {
+        "predict/p50_ms": float(np.percentile(ms, 50)),
+        "predict/p99_ms": float(np.percentile(ms, 99)),
+        "predict/samples_per_s": samples / max(float(ms.sum()) / 1000.0, 1e-9),
+    }
     log(
         f"predict: {artifact} on {opts.dataset}, {num_batches} batch(es): "
         + " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        + f"; per batch p50 {timing['predict/p50_ms']:.2f} ms, p99 {timing['predict/p99_ms']:.2f} ms, "
+        f"{timing['predict/samples_per_s']:.1f} samples/s (after one warm-up call)"
     )
-    return metrics
+    return {**metrics, **timing}
 
 
 def _cached_runner(artifact: str, model: Any, manifest: dict[str, Any]) -> Callable[[Any], torch.Tensor]:
@@ -242,6 +278,15 @@ def _runner(
 ) -> Callable[[list[Any]], torch.Tensor]:
     if target == "gpu":
         device = torch.device(manifest.get("device", "cpu"))
+        if "fbgemm_gpu" in manifest.get("requires", ()):
+            try:  # the package calls FBGEMM's inference TBE: its ops must be registered before loading
+                import fbgemm_gpu  # noqa: F401
+            except ImportError as err:
+                raise ImportError(
+                    f"{artifact}: the package calls FBGEMM's kernels (exported with --quantize_kernel fbgemm) "
+                    "and fbgemm_gpu is not importable. Fix: install fbgemm-gpu-cpu (CPU) or fbgemm-gpu (CUDA)"
+                ) from err
+        importlib.import_module("torch._inductor.codecache")  # aoti_load_package uses it on torch 2.10
         package = torch._inductor.aoti_load_package(str(artifact))
         tstate = [torch.from_numpy(np.asarray(x)).to(device) for x in state]
 

@@ -43,6 +43,12 @@ from ._overrides import EmbeddingBagCollectionStandIn as EmbeddingBagCollectionS
 from ._overrides import EmbeddingCollectionOverride as EmbeddingCollectionOverride
 from ._overrides import EmbeddingCollectionStandIn as EmbeddingCollectionStandIn
 from ._overrides import overrides as overrides
+from ._quantized_lookup import QTYPES as QTYPES
+from ._quantized_lookup import lower_quantized_lookups as lower_quantized_lookups
+from ._quantized_lookup import pack_rows as pack_rows
+from ._quantized_lookup import packed_row_bytes as packed_row_bytes
+from ._quantized_lookup import quantized_lookup_reference as quantized_lookup_reference
+from ._quantized_lookup import unpack_rows as unpack_rows
 from ._rowwise import dedupe as dedupe
 from ._rowwise import sparse_update as sparse_update
 from ._rowwise_adagrad import RowWiseAdagrad as RowWiseAdagrad
@@ -55,6 +61,7 @@ from ._tbe import fused_tbe_tables as fused_tbe_tables
 from ._transforms.mask_padding import JAGGED_KEY as JAGGED_KEY
 from ._transforms.mask_padding import MaskPadding as MaskPadding
 from ._transforms.quantize_tables import QUANT_DTYPES as QUANT_DTYPES
+from ._transforms.quantize_tables import QUANT_KERNELS as QUANT_KERNELS
 from ._transforms.quantize_tables import QUANTIZE_KEY as QUANTIZE_KEY
 from ._transforms.quantize_tables import QuantizedTableInitializer as QuantizedTableInitializer
 from ._transforms.quantize_tables import QuantizeTables as QuantizeTables
@@ -120,6 +127,14 @@ __all__ = [
     "dequantize_rows",
     "QUANTIZE_KEY",
     "QUANT_DTYPES",
+    "QUANT_KERNELS",
+    # the same, in FBGEMM's inference-TBE rows: recir::quantized_lookup, FBGEMM's kernel in GPU exports
+    "pack_rows",
+    "unpack_rows",
+    "packed_row_bytes",
+    "quantized_lookup_reference",
+    "lower_quantized_lookups",
+    "QTYPES",
     "HostEmbeddings",
     "CutHostSplit",
     "ApplyEmbeddingBackend",

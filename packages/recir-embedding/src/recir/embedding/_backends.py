@@ -32,6 +32,7 @@ from recir.transforms import (
 from . import _ops
 from . import _ring_shift as _ring_shift  # registers the recir::ring_shift_* ops
 from ._checks import checks_enabled
+from ._quantized_lookup import quantized_lookup_reference
 from ._transforms.sparsify_update import SparsifyUpdate
 from ._transforms.split_host import HOST_LOOKUP, SplitHostEmbeddings
 from ._versions import check_fbgemm
@@ -43,6 +44,7 @@ TARGETS: tuple[str, ...] = ("gpu", "tpu")
 _BAG = torch.ops.recir.embedding_bag.default
 _SEQ = torch.ops.recir.embedding.default
 _CHECK = torch.ops.recir.check_jagged.default
+_QUANTIZED = torch.ops.recir.quantized_lookup.default
 _SAME = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default}
 _BAG_OPS = {
     _BAG,
@@ -144,6 +146,14 @@ def _bag_reference(extra: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
     return lambda w, i, o, p: embedding_bag_reference(w, i, o, p, mode)
 
 
+def _quantized_reference(
+    psw_is_none: bool, pooling: int, dim: int, qtype: int
+) -> Callable[..., torch.Tensor]:
+    if psw_is_none:
+        return lambda t, i, o: quantized_lookup_reference(t, i, o, None, pooling, dim, qtype)
+    return lambda t, i, o, p: quantized_lookup_reference(t, i, o, p, pooling, dim, qtype)
+
+
 def _table_slot(step: StepGraph, weight: Any) -> str | None:
     """The state slot a lookup's weight argument is (its placeholder, through detach/alias), or None."""
     while isinstance(weight, fx.Node) and weight.op == "call_function" and weight.target in _SAME:
@@ -174,6 +184,7 @@ def _apply_backend(
     target: str,
     keep_checks: bool | None,
     row_sharded: Mapping[str, str] | None = None,
+    keep_quantized: bool = False,
 ) -> dict[str, int]:
     counts = {"lookups": 0, "checks_removed": 0}
     if keep_checks is None:
@@ -187,6 +198,12 @@ def _apply_backend(
             node.replace_all_uses_with(node.args[0])
             step.graph.erase_node(node)
             counts["checks_removed"] += 1
+        elif node.target == _QUANTIZED:
+            counts["quantized_lookups"] = counts.get("quantized_lookups", 0) + 1
+            if not keep_quantized:  # else the lowering calls FBGEMM's inference TBE (lower_quantized_lookups)
+                packed, indices, offsets, psw, pooling, dim, qtype = node.args
+                tensors = [packed, indices, offsets] + ([psw] if psw is not None else [])
+                _inline(step, node, _quantized_reference(psw is None, pooling, dim, qtype), tensors)
         elif HOST_LOOKUP in (node.meta.get(REGION_KEY) or ()):
             counts["host_lookups"] = counts.get("host_lookups", 0) + 1  # split_host runs them on the host
         elif node.target in _BAG_OPS:
@@ -286,6 +303,7 @@ class ApplyEmbeddingBackend(Transform):
         target: str = "gpu"
         keep_checks: bool = True
         row_sharded: tuple[tuple[str, str], ...] = ()  # (state slot, mesh axis) of row-sharded tables
+        keep_quantized: bool = False  # leave recir::quantized_lookup for FBGEMM (else its ATen reference)
 
     def requires(self, step: StepGraph) -> None:
         if self.options.backend not in BACKENDS or self.options.backend == "cpu":
@@ -295,11 +313,14 @@ class ApplyEmbeddingBackend(Transform):
 
     def run(self, step: StepGraph) -> TransformResult:
         o = self.options
-        counts = _apply_backend(step, o.backend, o.target, o.keep_checks, dict(o.row_sharded))
+        counts = _apply_backend(
+            step, o.backend, o.target, o.keep_checks, dict(o.row_sharded), keep_quantized=o.keep_quantized
+        )
         step.graph.eliminate_dead_code()
         step.graph.lint()
         step.graph_module.recompile()
-        changed = any(counts.get(k) for k in ("lookups", "checks_removed", "row_updates"))
+        inlined = counts.get("quantized_lookups") and not o.keep_quantized
+        changed = bool(inlined) or any(counts.get(k) for k in ("lookups", "checks_removed", "row_updates"))
         return TransformResult(step, changed, counts)
 
 
@@ -312,6 +333,7 @@ def embedding_transforms(
     sparse_updates: bool = True,
     row_sharded: Mapping[str, str] | None = None,
     host_tables: bool | Sequence[str] = False,
+    keep_quantized: bool = False,
 ) -> list[Transform]:
     """recir-embedding's part of a lowering pipeline, every choice an option: sparse row-wise updates
     (when asked and the step has a captured optimizer), the host split's marking (``host_tables``, and
@@ -325,7 +347,13 @@ def embedding_transforms(
     rows = tuple(sorted((row_sharded or {}).items())) if backend == "ring_shift" else ()
     kernels = "in_graph" if backend == "cpu" else backend
     out.append(
-        ApplyEmbeddingBackend(backend=kernels, target=target, keep_checks=keep_checks, row_sharded=rows)
+        ApplyEmbeddingBackend(
+            backend=kernels,
+            target=target,
+            keep_checks=keep_checks,
+            row_sharded=rows,
+            keep_quantized=keep_quantized,
+        )
     )
     return out
 
@@ -376,6 +404,7 @@ def prepare_for_lowering(
     keep_checks: bool | None = None,
     row_sharded: Mapping[str, str] | None = None,
     host_tables: bool | Sequence[str] = False,
+    keep_quantized: bool = False,
 ) -> StepGraph:
     """The StepGraph a lowering compiles: sparse row-wise updates, then the chosen embedding backend.
 
@@ -391,7 +420,10 @@ def prepare_for_lowering(
     result into host lookup, device and host update parts. ``host_tables``: mark tables for the host
     split with any backend too (True: every table whose update is row-wise; a sequence: those table
     slots), the backend then rewriting only the other lookups (the GPU path's fused FBGEMM TBE: the
-    marked tables' lookups and updates run in FBGEMM outside the compiled graph). Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
+    marked tables' lookups and updates run in FBGEMM outside the compiled graph). ``keep_quantized``: leave
+    the ``recir::quantized_lookup`` nodes (tables stored by ``QuantizeTables(kernel="fbgemm")``) for the
+    lowering to call FBGEMM's inference TBE (``lower_quantized_lookups``); by default their ATen reference
+    is inlined. Never mutates ``step``. Raises ``ConfigError``/``ImportError`` naming the backend when it cannot run.
     ``step.meta["recir.embedding"]`` records the backend and what changed.
     """
     name = resolve_backend(backend, target, device, row_sharded)
@@ -406,6 +438,7 @@ def prepare_for_lowering(
         sparse_updates=sparse_updates,
         row_sharded=row_sharded,
         host_tables=host_tables,
+        keep_quantized=keep_quantized,
     )
     pipeline = Pipeline(transforms, name="recir.embedding.prepare_for_lowering")
     out = pipeline.run(_copy(step))

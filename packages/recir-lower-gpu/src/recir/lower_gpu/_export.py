@@ -6,6 +6,8 @@ moved to ``device`` and exported with ``torch.export``, and AOTInductor compiles
 Load it anywhere torch is: ``torch._inductor.aoti_load_package(path)(*state, *batch)`` returns the new
 state then the outputs; the manifest beside it (``path`` + ``.json``) lists them. With ``baked_state``
 the state is compiled into the package as constants and it is called ``(*batch) -> (*outputs)``.
+Tables stored by ``QuantizeTables(kernel="fbgemm")`` are read by FBGEMM's inference TBE: such a package
+needs ``import fbgemm_gpu`` before loading (the manifest's ``requires`` says so), RecIR still not.
 """
 
 from __future__ import annotations
@@ -141,15 +143,29 @@ def export(
     alone and returns the outputs alone (the manifest's ``state`` is empty, ``baked_state`` lists them).
     """
     from recir.distributed import write_atomically
-    from recir.embedding import QUANTIZE_KEY, prepare_for_lowering
+    from recir.embedding import QUANTIZE_KEY, lower_quantized_lookups, prepare_for_lowering
 
     dev = resolve_device(device)
     started = time.perf_counter()
+    fbgemm = step.meta.get(QUANTIZE_KEY, {}).get("kernel") == "fbgemm"
     prepared = prepare_for_lowering(
-        step, backend="in_graph", target="gpu", device=dev, sparse_updates=False, keep_checks=False
+        step,
+        backend="in_graph",
+        target="gpu",
+        device=dev,
+        sparse_updates=False,
+        keep_checks=False,
+        keep_quantized=fbgemm,
     )
     gm = copy_graph_module(prepared.graph_module)
     retarget_devices(gm, dev)
+    requires: dict[str, str] = {}
+    if fbgemm:
+        import fbgemm_gpu
+
+        lowered = lower_quantized_lookups(gm, dev)
+        requires["fbgemm_gpu"] = getattr(fbgemm_gpu, "__version__", "unknown")
+        log.info("recir.lower_gpu: %d quantised lookup(s) call FBGEMM's inference TBE", lowered)
     sig = prepared.signature
     module: nn.Module = gm
     example = [torch.zeros(s.shape, dtype=s.dtype, device=dev) for s in sig.state]
@@ -166,12 +182,17 @@ def export(
         return {"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
     call = "(*batch) -> (*outputs)" if baked_state is not None else "(*state, *batch) -> (*state, *outputs)"
+    first = (
+        "import fbgemm_gpu and torch._inductor.codecache first"
+        if fbgemm
+        else ("import torch._inductor.codecache first on torch 2.10")
+    )
     state = [spec(s.name, s.shape, s.dtype) for s in sig.state]
     manifest = {
-        "format": f"AOTInductor package; torch._inductor.aoti_load_package(path){call} "
-        "(import torch._inductor.codecache first on torch 2.10)",
+        "format": f"AOTInductor package; torch._inductor.aoti_load_package(path){call} ({first})",
         "device": str(dev),
-        "versions": {"torch": torch.__version__},
+        "versions": {"torch": torch.__version__, **requires},
+        "requires": sorted(requires),
         "state": [] if baked_state is not None else state,
         "baked_state": state if baked_state is not None else [],
         "batch": [spec(b.name, b.shape, b.dtype) for b in sig.batch],

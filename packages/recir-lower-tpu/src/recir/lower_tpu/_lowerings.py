@@ -435,3 +435,22 @@ def aten_sdpa_efficient_backward(
         _, vjp = jax.vjp(lambda b: _sdpa(query, key, value, b, is_causal, scale)[0], attn_bias)
         (gbias,) = vjp(grad_out.astype(query.dtype))
     return gq, gk, gv, gbias
+
+
+# -- aten::view.dtype ----------------------------------------------------------------------------
+@register_jax_lowering("aten::view.dtype")
+def aten_view_dtype(x, dtype):
+    """``Tensor.view(dtype)`` (torchax 0.0.13 has none): the bytes reinterpreted, as ATen does, along
+    the last dimension, which a wider dtype divides by the size ratio and a narrower one multiplies.
+    recir-embedding's FBGEMM-layout tables read their fp16 scale and bias out of uint8 rows this way."""
+    from ._convert import jax_dtype
+
+    target = jnp.dtype(dtype) if isinstance(dtype, (str, jnp.dtype)) else jnp.dtype(jax_dtype(dtype))
+    src, dst = x.dtype.itemsize, target.itemsize
+    if src == dst:
+        return jax.lax.bitcast_convert_type(x, target)
+    if dst > src:  # (..., d) -> (..., d / k, k) -> (..., d / k)
+        k = dst // src
+        return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // k, k), target)
+    out = jax.lax.bitcast_convert_type(x, target)  # (..., d, k)
+    return out.reshape(*x.shape[:-1], x.shape[-1] * (src // dst))

@@ -1,7 +1,9 @@
 """recir-embed-quantize-tables: a serving graph's embedding tables stored row-wise quantised (int8 or fp16).
 
 Each lookup gathers quantised rows, dequantises only those and pools them as before, so the graph's
-table inputs shrink 4x (int8, plus 8 bytes of scale and bias per row) or 2x (fp16), in plain ATen.
+table inputs shrink 4x (int8, plus 8 bytes of scale and bias per row) or 2x (fp16), in plain ATen
+(``kernel="aten"``), or are stored in FBGEMM's inference-TBE rows and read by ``recir::quantized_lookup``
+(``kernel="fbgemm"``: FBGEMM's kernel in the GPU path's exported package, its ATen reference elsewhere).
 """
 
 from __future__ import annotations
@@ -28,12 +30,22 @@ from recir.transforms import (
 )
 from torch import Tensor, nn
 
+from .._quantized_lookup import (
+    POOL_NONE,
+    QTYPES,
+    pack_rows,
+    packed_row_bytes,
+    quantized_lookup,
+    unpack_rows,
+)
 from .sparsify_update import embedding_tables
 
 aten = torch.ops.aten
 #: ``step.meta`` key: what recir-embed-quantize-tables did, as plain data (the exports' manifests copy it).
 QUANTIZE_KEY = "recir.quantize"
 QUANT_DTYPES: tuple[str, ...] = ("int8", "fp16")
+#: how quantised rows are stored and read: recir's own parts in plain ATen, or FBGEMM's inference-TBE rows
+QUANT_KERNELS: tuple[str, ...] = ("aten", "fbgemm")
 # FBGEMM's row-wise 8-bit quantisation (FloatToFused8BitRowwiseQuantized): scale = range / 255,
 # bias = the row's minimum, q = round-half-even((x - min) * 255 / (range + 1e-8)) stored as uint8
 _FBGEMM_EPS = 1e-8
@@ -75,12 +87,17 @@ def dequantize_rows(parts: Sequence[Tensor], ids: Tensor, dtype: torch.dtype = t
     return rows.to(dtype)
 
 
-def _part_names(table: str, dtype: str) -> list[str]:
+def _part_names(table: str, dtype: str, kernel: str = "aten") -> list[str]:
+    if kernel == "fbgemm":
+        return [f"{table}_fbgemm_{dtype}"]
     return [f"{table}_int8", f"{table}_qscale", f"{table}_qbias"] if dtype == "int8" else [f"{table}_fp16"]
 
 
-def _part_slots(slot: StateSlot, dtype: str) -> list[StateSlot]:
+def _part_slots(slot: StateSlot, dtype: str, kernel: str = "aten") -> list[StateSlot]:
     rows = slot.shape[0]
+    if kernel == "fbgemm":
+        shape = (rows, packed_row_bytes(slot.shape[1], dtype))
+        return [StateSlot(_part_names(slot.name, dtype, kernel)[0], "param", shape, torch.uint8)]
     if dtype == "fp16":
         return [StateSlot(_part_names(slot.name, dtype)[0], "param", slot.shape, torch.float16)]
     shapes = [(slot.shape, torch.uint8), ((rows,), torch.float32), ((rows,), torch.float32)]
@@ -91,10 +108,12 @@ def _part_slots(slot: StateSlot, dtype: str) -> list[StateSlot]:
 class QuantizedTableInitializer:
     """A SlotInitializer for the slots of quantised tables: quantises the live model's table.
 
-    ``parts`` maps each new slot name to ``(table slot, dtype, part index)``.
+    ``parts`` maps each new slot name to ``(table slot, dtype, part index)``; ``kernel="fbgemm"``: the one
+    part is the table packed in FBGEMM's inference-TBE rows (``pack_rows``).
     """
 
     parts: dict[str, tuple[StateSlot, str, int]]
+    kernel: str = "aten"
 
     def __call__(self, slot: StateSlot, model: nn.Module, optimizer: Any) -> Tensor | None:
         entry = self.parts.get(slot.name)
@@ -104,6 +123,8 @@ class QuantizedTableInitializer:
         weight = param_buffer_initializer(table, model, optimizer)
         if weight is None:  # pragma: no cover - param_buffer_initializer knows every param: slot
             return None
+        if self.kernel == "fbgemm":
+            return pack_rows(weight, dtype)
         return quantize_rows(weight, dtype)[index]
 
 
@@ -140,11 +161,16 @@ class QuantizeTables(RegionTransform):
     class Options:
         dtype: Literal["int8", "fp16"] = "int8"
         tables: tuple[str, ...] | None = None
+        kernel: Literal["aten", "fbgemm"] = "aten"
 
         def __post_init__(self) -> None:
             if self.dtype not in QUANT_DTYPES:
                 raise ConfigError(
                     f"recir-embed-quantize-tables: dtype must be one of {QUANT_DTYPES}, got {self.dtype!r}"
+                )
+            if self.kernel not in QUANT_KERNELS:
+                raise ConfigError(
+                    f"recir-embed-quantize-tables: kernel must be one of {QUANT_KERNELS}, got {self.kernel!r}"
                 )
 
     def requires(self, step: StepGraph) -> None:
@@ -215,13 +241,24 @@ class QuantizeTables(RegionTransform):
         args, kwargs = node.args, node.kwargs
         inputs = list(region.inputs)
 
+        dtype, kernel = self.options.dtype, self.options.kernel
+
         def swapped(*vals: Tensor) -> list[Tensor]:
             env = dict(zip(inputs, vals[:n_in]))
             a = fx.node.map_arg(args, env.__getitem__)
             kw = fx.node.map_arg(kwargs, env.__getitem__)
             table_val, ids = a[0], a[1]
+            if kernel == "fbgemm":
+                looked_up = _packed_lookup(target, kind, a, kw, exits, vals[n_in], dtype)
+                if looked_up is not None:
+                    return [looked_up.to(table_val.dtype)]
             flat = ids.reshape(-1)
-            rows = dequantize_rows(vals[n_in:], flat, table_val.dtype)
+            if kernel == "fbgemm":
+                # a pooling FBGEMM has not (max), or outputs beyond the pooled rows: unpack, pool as before
+                unpacked = unpack_rows(vals[n_in].index_select(0, flat), table_val.shape[1], dtype)
+                rows = unpacked.to(table_val.dtype)
+            else:
+                rows = dequantize_rows(vals[n_in:], flat, table_val.dtype)
             if kind == "gather":
                 return [rows.reshape(*ids.shape, rows.shape[-1])]
             positions = torch.arange(flat.shape[0], device=flat.device, dtype=flat.dtype).reshape(ids.shape)
@@ -243,7 +280,7 @@ class QuantizeTables(RegionTransform):
         sig = step.signature
         index = sig.state_index(table)
         old = self._placeholder[table]
-        slots = _part_slots(sig.state[index], self.options.dtype)
+        slots = _part_slots(sig.state[index], self.options.dtype, self.options.kernel)
         from torch._guards import detect_fake_mode
 
         fake_mode = detect_fake_mode([old.meta["val"]])
@@ -271,7 +308,7 @@ class QuantizeTables(RegionTransform):
     def run(self, step: StepGraph) -> TransformResult:
         step = step.copy()  # the caller keeps its float serving graph (e.g. to measure the accuracy delta)
         result = super().run(step)
-        dtype = self.options.dtype
+        dtype, kernel = self.options.dtype, self.options.kernel
         sig = step.signature
         quantized = {t: sig.state[sig.state_index(t)] for t in self._parts}
         for table in quantized:  # the float table: now read by nothing but its pass-through output
@@ -280,24 +317,67 @@ class QuantizeTables(RegionTransform):
             parts = {
                 name: (slot, dtype, i)
                 for table, slot in quantized.items()
-                for i, name in enumerate(_part_names(table, dtype))
+                for i, name in enumerate(_part_names(table, dtype, kernel))
             }
-            step.initializers = (QuantizedTableInitializer(parts), *step.initializers)
+            step.initializers = (QuantizedTableInitializer(parts, kernel), *step.initializers)
             step.meta[QUANTIZE_KEY] = {
                 "dtype": dtype,
-                "scheme": "row-wise: uint8 * qscale + qbias (FBGEMM 8-bit)"
-                if dtype == "int8"
-                else "fp16 rows",
-                "tables": {t: _part_names(t, dtype) for t in quantized},
+                "kernel": kernel,
+                "scheme": _SCHEMES[kernel, dtype],
+                "tables": {t: _part_names(t, dtype, kernel) for t in quantized},
                 "skipped": dict(self.skipped),
             }
         step.graph_module.recompile()
         before = sum(_nbytes(s) for s in quantized.values())
-        after = sum(_nbytes(s) for s in _slots_of(step, quantized, dtype))
+        after = sum(_nbytes(s) for s in _slots_of(step, quantized, dtype, kernel))
         stats = {**result.stats, "tables": len(quantized), "skipped": dict(self.skipped)}
         return TransformResult(
             step, result.changed, {**stats, "table_bytes": before, "quantized_bytes": after}
         )
+
+
+def _packed_lookup(
+    target: Any, kind: str, a: Sequence[Any], kw: dict[str, Any], exits: list[Any], packed: Tensor, dtype: str
+) -> Tensor | None:
+    """The lookup ``target(*a, **kw)`` as one ``recir::quantized_lookup`` of the packed table (float32),
+    or None when FBGEMM's kernel has no such lookup (max pooling, or its other outputs are read)."""
+    ids, dim, qtype = a[1], a[0].shape[1], QTYPES[dtype]
+    flat = ids.reshape(-1)
+    if kind == "gather":
+        offsets = torch.arange(flat.shape[0] + 1, dtype=torch.int64, device=flat.device)
+        rows: Tensor = quantized_lookup(packed, flat, offsets, None, POOL_NONE, dim, qtype)
+        return rows.reshape(*ids.shape, dim)
+    if target is torch.ops.recir.embedding_bag.default:
+        _, _, offsets, psw, mode = a
+        pooled: Tensor = quantized_lookup(packed, flat, offsets, psw, mode, dim, qtype)
+        return pooled
+    names = (
+        "scale_grad_by_freq",
+        "mode",
+        "sparse",
+        "per_sample_weights",
+        "include_last_offset",
+        "padding_idx",
+    )
+    defaults = (False, 0, False, None, False, -1)
+    opts = {
+        n: (a[3 + i] if len(a) > 3 + i else kw.get(n, d)) for i, (n, d) in enumerate(zip(names, defaults))
+    }
+    if opts["mode"] not in (0, 1) or exits != [0]:
+        return None
+    offsets = a[2]
+    if not opts["include_last_offset"]:
+        offsets = torch.cat([offsets, offsets.new_full((1,), flat.shape[0])])
+    pooled = quantized_lookup(packed, flat, offsets, opts["per_sample_weights"], opts["mode"], dim, qtype)
+    return pooled
+
+
+_SCHEMES = {
+    ("aten", "int8"): "row-wise: uint8 * qscale + qbias (FBGEMM 8-bit)",
+    ("aten", "fp16"): "fp16 rows",
+    ("fbgemm", "int8"): "FBGEMM inference-TBE rows: [scale fp16, bias fp16, uint8 x D], 16-byte aligned",
+    ("fbgemm", "fp16"): "FBGEMM inference-TBE rows: [fp16 x D], 16-byte aligned",
+}
 
 
 def _nbytes(slot: StateSlot) -> int:
@@ -307,9 +387,9 @@ def _nbytes(slot: StateSlot) -> int:
     return numel * slot.dtype.itemsize
 
 
-def _slots_of(step: StepGraph, tables: dict[str, StateSlot], dtype: str) -> list[StateSlot]:
+def _slots_of(step: StepGraph, tables: dict[str, StateSlot], dtype: str, kernel: str) -> list[StateSlot]:
     sig = step.signature
-    return [sig.state[sig.state_index(n)] for t in tables for n in _part_names(t, dtype)]
+    return [sig.state[sig.state_index(n)] for t in tables for n in _part_names(t, dtype, kernel)]
 
 
 def _drop_state_slot(step: StepGraph, name: str) -> None:
