@@ -12,7 +12,7 @@ import recir.lower_gpu as lg
 import torch
 from recir.capture import capture_train_step, testing
 from recir.embedding import QuantizeTables
-from recir.transforms import ConfigError, to_inference
+from recir.transforms import ConfigError, StepGraph, to_inference
 
 _CHILD = r"""
 import sys
@@ -30,13 +30,23 @@ print(any(m == "recir" or m.startswith("recir.") for m in sys.modules if sys.mod
 """
 
 
-def test_exported_package_runs_with_torch_alone(tmp_path, lower_gpu_cache_dir, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", lower_gpu_cache_dir)
+def _serving() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor], StepGraph]:
+    """The test model, its optimizer, a batch and its serving graph (the logits, no dropout)."""
     torch.manual_seed(0)
     model = testing.ServingModel()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     batch = testing.serving_batch()
-    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
+    return (
+        model,
+        opt,
+        batch,
+        to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0"),
+    )
+
+
+def test_exported_package_runs_with_torch_alone(tmp_path, lower_gpu_cache_dir, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", lower_gpu_cache_dir)
+    model, opt, batch, serving = _serving()
     import os
 
     from torch._inductor import config as inductor_config
@@ -69,11 +79,7 @@ def test_quantised_serving_graph_exports_with_baked_or_input_state(
     """Quantised tables (recir-embed-quantize-tables) are plain ATen: the package still runs with torch
     alone, the tables either compiled in as constants (``baked_state``) or passed as inputs."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", lower_gpu_cache_dir)
-    torch.manual_seed(0)
-    model = testing.ServingModel()
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    batch = testing.serving_batch()
-    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
+    model, opt, batch, serving = _serving()
     quantized = QuantizeTables(dtype=dtype)(serving).step
     state = quantized.init_state(model, opt)
     float_state = serving.init_state(model, opt)  # the float table where the quantised one belongs
@@ -112,11 +118,7 @@ def test_fbgemm_quantised_tables_export_calls_fbgemms_inference_tbe(
     ``import fbgemm_gpu`` and not without it), RecIR still not importable, and gives the reference's values."""
     pytest.importorskip("fbgemm_gpu")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", lower_gpu_cache_dir)
-    torch.manual_seed(0)
-    model = testing.ServingModel()
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    batch = testing.serving_batch()
-    serving = to_inference(capture_train_step(model, opt, testing.serving_loss, batch), "aux.0")
+    model, opt, batch, serving = _serving()
     quantized = QuantizeTables(dtype="int8", kernel="fbgemm")(serving).step
     state = quantized.init_state(model, opt)
     manifest = lg.export(quantized, tmp_path / "model.pt2", device="cpu")

@@ -161,9 +161,9 @@ def export(
     retarget_devices(gm, dev)
     requires: dict[str, str] = {}
     if fbgemm:
+        lowered = lower_quantized_lookups(gm, dev)  # an ImportError naming the extra without FBGEMM
         import fbgemm_gpu
 
-        lowered = lower_quantized_lookups(gm, dev)
         requires["fbgemm_gpu"] = getattr(fbgemm_gpu, "__version__", "unknown")
         log.info("recir.lower_gpu: %d quantised lookup(s) call FBGEMM's inference TBE", lowered)
     sig = prepared.signature

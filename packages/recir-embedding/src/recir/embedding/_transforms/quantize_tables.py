@@ -151,7 +151,12 @@ class QuantizeTables(RegionTransform):
 
     ``tables``: only these table slots (default: every table). A table also read by something other than
     a lookup (a tied output projection), or an ``nn.EmbeddingBag`` with ``padding_idx``, stays as it is
-    (``stats["skipped"]`` says why). ``step.meta["recir.quantize"]`` records the dtype and the slots.
+    (``stats["skipped"]`` says why). ``step.meta["recir.quantize"]`` records the dtype, kernel and slots.
+
+    ``kernel="fbgemm"``: each table is one slot ``<slot>_fbgemm_<dtype>``, uint8 rows in FBGEMM's
+    inference-TBE layout (``pack_rows``), and each lookup one ``recir::quantized_lookup`` (pooling sum,
+    mean or none; a max-pooled bag unpacks the gathered rows and pools as before). recir-lower-gpu's
+    export calls FBGEMM's kernel for it, every other lowering inlines its ATen reference.
     """
 
     name = "recir-embed-quantize-tables"
