@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from recir.transforms import ConfigError, bag_segment_ids, register_override_op
+from recir.transforms import ConfigError, embedding_bag_reference, register_override_op
 from torch import Tensor
 
 #: FBGEMM's ``SparseType`` codes (``SparseType.as_int()``) of the row formats this module writes
@@ -96,14 +96,10 @@ def quantized_lookup_reference(
     rows = unpack_rows(packed.index_select(0, flat), dim, _qtype(qtype))
     if pooling == POOL_NONE:
         return rows
-    if per_sample_weights is not None:
-        rows = rows * per_sample_weights.reshape(-1, 1).to(rows.dtype)
-    seg = bag_segment_ids(offsets, flat.shape[0])
-    pooled = rows.new_zeros(offsets.shape[0] - 1, dim).index_add(0, seg, rows)
-    if pooling == POOL_MEAN:
-        lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(pooled.dtype)
-        pooled = pooled / lengths.unsqueeze(1)
-    return pooled
+    # the gathered rows pooled as recir::embedding_bag pools a table (as QuantizeTables' aten kernel does)
+    positions = torch.arange(flat.shape[0], device=flat.device, dtype=flat.dtype)
+    psw = None if per_sample_weights is None else per_sample_weights.reshape(-1)
+    return embedding_bag_reference(rows, positions, offsets, psw, pooling)
 
 
 def _check_args(pooling: int, per_sample_weights: Tensor | None) -> None:
