@@ -11,7 +11,7 @@ import torch
 from recir.capture import capture_train_step, testing
 from recir.lower_gpu._prepare import copy_graph_module
 from recir.lower_gpu._store import store_rng_masks
-from recir.transforms import Recompute
+from recir.transforms import RECOMPUTE_KEY, Recompute
 
 
 def _step():
@@ -58,7 +58,14 @@ def test_stored_masks_give_the_same_bits(lower_gpu_cache_dir, caplog):
 def test_store_rng_masks_option_is_respected(store, lower_gpu_cache_dir, caplog):
     _, _, _, step = _step()
     recomputed = Recompute(modules=("*",))(step.copy()).step
-    for graph, stored in ((step, bool(store)), (recomputed, store is not False)):
+    # the same barriers as a model's own (a custom backward recomputing what it did not keep): no
+    # recir-recompute-activations copies, so nothing recomputes a dropout mask
+    own = recomputed.copy()
+    for node in own.graph.nodes:
+        node.meta.pop(RECOMPUTE_KEY, None)
+    assert any(n.target is torch.ops.recir.recompute_barrier.default for n in own.graph.nodes)
+    cases = ((step, bool(store)), (recomputed, store is not False), (own, bool(store)))
+    for graph, stored in cases:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="recir.lower_gpu"):
             lg.compile(

@@ -16,6 +16,7 @@ import torch.fx as fx
 from recir.distributed import ShardingPlan
 from recir.transforms import (
     OPTIMIZER_KEY,
+    RECOMPUTE_KEY,
     ConfigError,
     Pipeline,
     StepGraph,
@@ -266,12 +267,15 @@ def gpu_pipeline(
     transforms += embedding
     if fused:
         transforms.append(CutHostSplit())
-    recomputes = any(n.target is torch.ops.recir.recompute_barrier.default for n in step.graph.nodes)
+    barriers = [n for n in step.graph.nodes if n.target is torch.ops.recir.recompute_barrier.default]
+    # recomputed activations (recir-recompute-activations' copies), not a model's own barriers (a custom
+    # backward recomputing what it did not keep, such as DLRMv3's attention scores)
+    recomputes = any(RECOMPUTE_KEY in n.meta for n in barriers)
     if options.store_rng_masks or (options.store_rng_masks is None and recomputes):
         transforms.append(StoreRngMasks())
     if options.store_shared_masks:
         transforms.append(StoreSharedMasks())
-    if recomputes:
+    if barriers:
         transforms.append(ExpandRecomputeBarriers())
     transforms.append(RetargetDevices(device=str(device)))
     if _onednn_matmuls(options, device):
