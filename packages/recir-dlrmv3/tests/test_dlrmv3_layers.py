@@ -155,6 +155,50 @@ def test_dlrmv3_factored_mask_equals_the_dense_mask_with_gradients():
     assert (3, 2, 14, 11) in shapes and not any(s[-2:] == (14, 14) for s in shapes)
 
 
+@pytest.mark.parametrize("per_sample_scale", [False, True])
+def test_dlrmv3_recomputed_attention_equals_the_kept_scores_with_gradients(per_sample_scale):
+    # With STULayer.recompute_scores the factored attention's backward recomputes each row block's
+    # scores (_RecomputedAttention): the same values and gradients (input and every parameter) as
+    # autograd through the kept scores, for padded history, padded candidates, an empty history and row
+    # blocks, and the forward keeps nothing of [B, H, rows, keys] for the backward.
+    torch.manual_seed(0)
+    lengths, ncand = torch.tensor([9, 4, 0]), torch.tensor([3, 1, 2])
+    mask = TargetAwareMask(valid_tokens(2, 9, lengths, ncand, 3), prefix=2 + 9)
+    B, N, D, H, A = 3, 14, 8, 2, 4
+    x = torch.randn(B, N, D, dtype=torch.float64, requires_grad=True)
+    layer = STULayer(dim=D, num_heads=H, head_dim=A, dropout=0.0).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    scale = torch.tensor([14.0, 12.0, 9.0])[:, None, None, None] if per_sample_scale else torch.tensor(14)
+    params = [x, *layer.parameters()]
+
+    def run(recompute: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[int]]:
+        layer.recompute_scores = recompute
+        u, q, k, v = layer.project(x)
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attn = layer.attention(q, k, v, mask, scale)
+        out = layer.combine(x, u, attn)
+        return out, torch.autograd.grad(out.square().sum(), params), saved
+
+    for blocks in (1, 2, 3, 14):
+        layer.attention_blocks = blocks
+        ref_out, ref_grads, kept = run(False)
+        out, grads, saved = run(True)
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        for name, g, r in zip(
+            ["x", *(n for n, _ in layer.named_parameters())], grads, ref_grads, strict=True
+        ):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12, msg=name)
+        # q, k, v (and the mask and scale) only; autograd keeps the scores, and more in all
+        assert max(saved) <= B * H * N * A and sum(saved) < sum(kept) - B * H * N * 11
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_dlrmv3_candidate_rows_equal_the_whole_layers_with_gradients(layout):
     # STULayer.forward_candidates (DLRMv3's last layer) computes the query side for the candidate slots

@@ -1,5 +1,6 @@
-"""`--recompute none|layers|auto` (recir-recompute-activations on the captured step): bit-exact on the
-interpreter, parity on both compiled paths, less memory where the backend keeps the copies apart."""
+"""`--recompute none|layers|auto|attention` (recir-recompute-activations on the captured step, or the STU
+attention's own recomputed scores): bit-exact on the interpreter, parity on both compiled paths, less memory
+where the backend keeps the copies apart."""
 
 from __future__ import annotations
 
@@ -45,17 +46,32 @@ def test_dlrmv3_recompute_is_bit_exact_on_the_interpreter():
 
 
 @pytest.mark.tpu
-def test_dlrmv3_recompute_layers_on_the_tpu_path_matches_and_needs_less_memory():
-    # attention scores dominate the activations; the last layer computes its candidates only
+def test_dlrmv3_recompute_on_the_tpu_path_matches_and_needs_less_memory():
+    # layers: attention scores dominate the activations; the last layer computes its candidates only.
+    # attention: each STU attention's backward recomputes its scores behind recir::recompute_barrier
+    # (without it XLA's CSE merges them with the forward's and keeps them after all), one barrier per
+    # layer but the last, which computes its candidates only (STULayer.forward_candidates)
     sizes = dict(uih_len=128, embedding_dim=32, num_layers=3)
     base, losses, state = _trained("tpu", "none", steps=2, **sizes)
-    trainer, other_losses, other = _trained("tpu", "layers", steps=2, **sizes)
-    assert other_losses == pytest.approx(losses, rel=1e-6, abs=1e-7)
-    for name, value in state.items():  # parameters and optimizer state within 1e-6
-        torch.testing.assert_close(other[name], value, rtol=0, atol=1e-6, msg=name)
-    # XLA's own accounting of the step's temporary buffers: its CSE did not fold the copies back
-    temp = [t.compiled._compiled.memory_analysis().temp_size_in_bytes for t in (base, trainer)]
-    assert temp[1] < 0.8 * temp[0], temp
+    for mode, barriers, bound in (("layers", 3, 0.8), ("attention", 2, 0.9)):
+        trainer, other_losses, other = _trained("tpu", mode, steps=2, **sizes)
+        assert sum(n.target is _BARRIER for n in trainer.graph.graph.nodes) == barriers, mode
+        assert other_losses == pytest.approx(losses, rel=1e-6, abs=1e-7)
+        for name, value in state.items():  # optimizer state within 1e-6, parameters within 1e-5:
+            # Adam divides each gradient by its own root mean square, so a near-zero entry whose sum
+            # order changed moves its weight by more than the gradient's rounding (seen: 1.7e-6 on an
+            # AVX-512 Xeon, one entry of 4096)
+            atol = 1e-5 if name.startswith("param:") else 1e-6
+            torch.testing.assert_close(other[name], value, rtol=0, atol=atol, msg=f"{mode} {name}")
+        # XLA's own accounting of the step's temporary buffers: its CSE did not fold the copies back
+        temp = [t.compiled._compiled.memory_analysis().temp_size_in_bytes for t in (base, trainer)]
+        assert temp[1] < bound * temp[0], (mode, temp)
+
+
+@pytest.mark.slow
+def test_dlrmv3_recompute_attention_parity_gpu_path_on_cpu(capsys):
+    assert main(["parity", "--target", "gpu", "--steps", "2", "--recompute", "attention", *FLAGS]) == 0
+    assert "parity OK" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -69,6 +85,7 @@ def test_dlrmv3_bad_recompute(capsys):
         TrainOptions(recompute="all").check()
     with pytest.raises(ConfigError, match="--target eager has none"):
         TrainOptions(target="eager", recompute="layers").check()
+    TrainOptions(target="eager", recompute="attention").check()  # the model's own: eager runs it too
     with pytest.raises(SystemExit) as info:
         main(["train", "--recompute", "all"])
     assert info.value.code == 2 and "--recompute" in capsys.readouterr().err

@@ -131,7 +131,9 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         default=d["recompute"],
         help="recir-recompute-activations on the captured step: none; layers (each STU layer's activations "
         "recomputed in the backward from the layer's input: activation checkpointing); auto (elementwise "
-        "values and norms recomputed, matrix products kept) (default %(default)s)",
+        "values and norms recomputed, matrix products kept); attention (each STU attention's backward "
+        "recomputes its scores instead of keeping them: less memory at long sequences, also on --target "
+        "eager) (default %(default)s)",
     )
     c.add_argument(
         "--mask_padding",

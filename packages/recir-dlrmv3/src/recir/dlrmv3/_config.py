@@ -120,8 +120,9 @@ TARGETS = ("eager", "eager-graph", "gpu", "tpu")
 PRECISIONS = ("fp32", "bf16")
 #: --recompute: none; layers (every STU layer recomputed in the backward from its input, activation
 #: checkpointing); auto (recir-recompute-activations' cost policy: elementwise values and norms recomputed,
-#: products kept, across the whole model)
-RECOMPUTE = ("none", "layers", "auto")
+#: products kept, across the whole model); attention (the model's own: each STU attention's backward
+#: recomputes its scores instead of keeping them, `STULayer.recompute_scores`)
+RECOMPUTE = ("none", "layers", "auto", "attention")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
 #: --compile_regions (GPU path): whole (the step as one Inductor graph), repeated (each STU layer's code
 #: compiled once, recir.lower_gpu GPUOptions.regions), auto (repeated from REGIONS_FROM_LAYERS layers on

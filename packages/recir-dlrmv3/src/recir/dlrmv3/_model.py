@@ -60,6 +60,7 @@ class DLRMv3(nn.Module):
     #: full-size training step, fp32: 10 candidates at UIH 64 (13%) GPU path 855 -> 860 ms, TPU path
     #: 816 -> 732; at UIH 256 (3.7%) GPU path 2821 -> 2936, TPU path 3258 -> 3517 (one run each, noisy);
     #: serving at UIH 128 with 64 candidates (33%): one layer's compiled attention 227 -> 146 ms at batch 256.
+    #: Always the factored mask when the layers recompute their scores (`recompute_attention_scores`).
     FACTORED_MASK_FROM = 0.125
 
     def __init__(self, spec: DatasetSpec, config: ModelConfig) -> None:
@@ -103,6 +104,14 @@ class DLRMv3(nn.Module):
         self.register_buffer(
             "task_weights", torch.tensor([t.weight for t in spec.tasks], dtype=torch.int64), persistent=False
         )
+
+    def recompute_attention_scores(self, on: bool = True) -> DLRMv3:
+        """Each STU layer's attention backward recomputes its scores from q and k instead of keeping the
+        `[B, H, rows, keys]` products from the forward (`--recompute attention`): one more product per
+        row block in the backward for less memory at long sequences. Values equal up to rounding."""
+        for layer in self.layers:
+            layer.recompute_scores = on
+        return self
 
     def embed(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """UIH [B, L, D], candidate [B, C, D] and contextual [B, n_ctx, D] id embeddings."""
@@ -150,7 +159,9 @@ class DLRMv3(nn.Module):
         x = F.dropout(x, cfg.input_dropout, self.training) * valid[..., None].to(x.dtype)
         target_mask = TargetAwareMask(valid, prefix=n_ctx + L)
         mask: torch.Tensor | TargetAwareMask = target_mask
-        if self.FACTORED_MASK_FROM * x.shape[1] > C:
+        if self.FACTORED_MASK_FROM * x.shape[1] > C and not any(
+            layer.recompute_scores for layer in self.layers
+        ):
             mask = mask.dense()
         max_len = batch.max_seq_len.max()  # the global batch's longest sequence (see Batch)
         # Only the candidates' rows of the last layer's output are read (the postprocessor below), so the

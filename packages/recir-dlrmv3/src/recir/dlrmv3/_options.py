@@ -163,7 +163,7 @@ class TrainOptions:
             raise config_error(
                 f"unknown --recompute {self.recompute!r}; expected one of {', '.join(RECOMPUTE)}"
             )
-        if self.recompute != "none" and self.target == "eager":
+        if self.recompute not in ("none", "attention") and self.target == "eager":
             raise config_error(
                 f"--recompute {self.recompute} rewrites the captured step; --target eager has none. Fix: "
                 "--target gpu, tpu or eager-graph, or --recompute none."

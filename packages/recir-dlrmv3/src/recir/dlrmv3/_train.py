@@ -125,6 +125,7 @@ def build(
             log(f"token packing: {data.token_budget} rows per global batch of {slots} padded slots")
     torch.manual_seed(opts.seed)
     model = DLRMv3(data.spec, config)
+    model.recompute_attention_scores(opts.recompute == "attention")
     return model, data, make_optimizers(model, opts.lr, opts.sparse_lr, opts.optimizer, opts.target)
 
 

@@ -438,7 +438,8 @@ def step_pipeline(precision: str, recompute: str = "none", mask_padding: bool = 
     """The StepGraph rewrites `--mask_padding`, `--precision` and `--recompute` ask for: padded positions of
     jagged id features zeroed in their unpooled lookups (recir-embed-mask-padding); bf16 matrix products
     (fp32 master weights and optimizer state) for bf16; the STU layers' activations recomputed in the
-    backward (`layers`), or the cheap values of every module (`auto`)."""
+    backward (`layers`), or the cheap values of every module (`auto`). `attention` is the model's own
+    (`DLRMv3.recompute_attention_scores`): no rewrite here."""
     from recir.embedding import MaskPadding
     from recir.transforms import MixedPrecision, Pipeline, Recompute
 
