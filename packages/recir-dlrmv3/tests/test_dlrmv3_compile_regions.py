@@ -62,10 +62,13 @@ def test_compile_regions_auto_is_repeated_only_where_it_was_measured_to_pay(monk
     assert resolve_compile_regions(TrainOptions(**deep, target="gpu")) == "repeated"
     assert gpu_options(TrainOptions(**deep, target="gpu")).regions == "repeated"  # type: ignore[attr-defined]
     assert resolve_compile_regions(TrainOptions(**deep, target="gpu", compile_regions="whole")) == "whole"
+    # the model's own recomputation (inside each layer) keeps the layers alike: compiled once each
+    assert resolve_compile_regions(TrainOptions(**deep, target="gpu", recompute="attention")) == "repeated"
     for other in (
         dict(num_layers=REGIONS_FROM_LAYERS - 1),  # few layers: the pieces' own overhead is not repaid
         dict(parallel="dp"),
         dict(recompute="layers"),
+        dict(recompute="auto"),
         dict(pipeline_sparse=2),
         dict(cuda_graphs=True),
         dict(target="tpu"),

@@ -70,7 +70,9 @@ def test_dlrmv3_recompute_on_the_tpu_path_matches_and_needs_less_memory():
 
 @pytest.mark.slow
 def test_dlrmv3_recompute_attention_parity_gpu_path_on_cpu(capsys):
-    assert main(["parity", "--target", "gpu", "--steps", "2", "--recompute", "attention", *FLAGS]) == 0
+    # 4 layers: --compile_regions auto compiles each layer once (repeated), as for the full-size model
+    flags = [*FLAGS, "--num_layers=4"]
+    assert main(["parity", "--target", "gpu", "--steps", "2", "--recompute", "attention", *flags]) == 0
     assert "parity OK" in capsys.readouterr().out
 
 

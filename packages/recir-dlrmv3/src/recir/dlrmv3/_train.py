@@ -42,8 +42,9 @@ class TrainResult:
 def resolve_compile_regions(opts: TrainOptions) -> str:
     """--compile_regions as the GPU path compiles it: `auto` is `repeated` for a single-process step of at
     least REGIONS_FROM_LAYERS STU layers on the CPU device (no CUDA device here), without CUDA graphs,
-    --pipeline_sparse or --recompute, where its cold compile was measured shorter (and its bf16 step
-    faster); `whole` elsewhere, including CUDA, where it has not been measured."""
+    --pipeline_sparse or --recompute layers|auto, where its cold compile was measured shorter (and its bf16
+    step faster; with --recompute attention, whose recomputation is inside each layer, 50.6-53.2 s against
+    82.0-94.0 s whole); `whole` elsewhere, including CUDA, where it has not been measured."""
     import torch
 
     from ._config import REGIONS_FROM_LAYERS
@@ -56,7 +57,7 @@ def resolve_compile_regions(opts: TrainOptions) -> str:
         and opts.parallel == "none"
         and not opts.cuda_graphs
         and not opts.pipeline_sparse
-        and opts.recompute == "none"
+        and opts.recompute in ("none", "attention")  # not recir-recompute-activations' copies
         and not torch.cuda.is_available()
     )
     return "repeated" if repeated else "whole"
