@@ -31,9 +31,8 @@ class TrainOptions:
     layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
     precision: str = "fp32"
-    recompute: str = (
-        "none"  # none | layers | auto (recir-recompute-activations) | attention (the model's own)
-    )
+    # none | layers | auto (recir-recompute-activations) | attention (the model's own; RECOMPUTE)
+    recompute: str = "none"
     # recir-embed-mask-padding on the captured step (padded positions of jagged id features zeroed)
     mask_padding: bool = False
     # recir-pipeline-sparse: stages of the software-pipelined step (0: off; 2: batch i+1's ids and sparse
