@@ -73,7 +73,8 @@ def test_dlrmv3_recompute_attention_parity_gpu_path_on_cpu(capsys):
     # 4 layers: --compile_regions auto compiles each layer once (repeated), as for the full-size model
     flags = [*FLAGS, "--num_layers=4"]
     assert main(["parity", "--target", "gpu", "--steps", "2", "--recompute", "attention", *flags]) == 0
-    assert "parity OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--compile_regions repeated" in out and "parity OK" in out
 
 
 @pytest.mark.slow

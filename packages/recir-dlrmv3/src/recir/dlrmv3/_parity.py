@@ -105,7 +105,7 @@ def run_parity(
     model_e, data, opt_e = build(opts, log)
     model_c, _, opt_c = build(opts, log, data=data)  # the same batches, a second model and optimizers
     eager = EagerTrainer(model_e, opt_e)
-    from ._train import gpu_options
+    from ._train import gpu_options, resolve_compile_regions
 
     compiled = make_trainer(
         opts.target,
@@ -119,7 +119,8 @@ def run_parity(
         mask_padding=opts.mask_padding,
     )
     rows: list[ParityRow] = []
-    log(f"parity: eager vs {compiled.description}, {steps} steps, atol {atol:g}")
+    regions = f", --compile_regions {resolve_compile_regions(opts)}" if opts.target == "gpu" else ""
+    log(f"parity: eager vs {compiled.description}{regions}, {steps} steps, atol {atol:g}")
     log(
         f"{'step':>4}  {'loss eager':>12}  {'loss compiled':>13}  {'|dloss|':>9}  {'max|dparam|':>11}  {'max|doptim|':>11}"
     )
