@@ -123,6 +123,9 @@ PRECISIONS = ("fp32", "bf16")
 #: products kept, across the whole model); attention (the model's own: each STU attention's backward
 #: recomputes its scores instead of keeping them, `STULayer.recompute_scores`)
 RECOMPUTE = ("none", "layers", "auto", "attention")
+#: the --recompute modes that rewrite the captured step (recir-recompute-activations' copies), which
+#: --target eager cannot run and --compile_regions auto compiles whole
+STEP_RECOMPUTE = ("layers", "auto")
 PARALLEL = ("none", "dp", "fsdp", "hybrid", "auto")
 #: --compile_regions (GPU path): whole (the step as one Inductor graph), repeated (each STU layer's code
 #: compiled once, recir.lower_gpu GPUOptions.regions), auto (repeated from REGIONS_FROM_LAYERS layers on

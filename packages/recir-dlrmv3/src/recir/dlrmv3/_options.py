@@ -140,7 +140,7 @@ class TrainOptions:
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
             raise config_error("--checkpoint_every needs --checkpoint_dir")
-        from ._config import PARALLEL, PRECISIONS, RECOMPUTE
+        from ._config import PARALLEL, PRECISIONS, RECOMPUTE, STEP_RECOMPUTE
 
         if self.embedding_backend == "cpu" and self.target != "tpu":
             raise config_error(
@@ -164,7 +164,7 @@ class TrainOptions:
             raise config_error(
                 f"unknown --recompute {self.recompute!r}; expected one of {', '.join(RECOMPUTE)}"
             )
-        if self.recompute not in ("none", "attention") and self.target == "eager":
+        if self.recompute in STEP_RECOMPUTE and self.target == "eager":
             raise config_error(
                 f"--recompute {self.recompute} rewrites the captured step; --target eager has none. Fix: "
                 "--target gpu, tpu or eager-graph, or --recompute none."

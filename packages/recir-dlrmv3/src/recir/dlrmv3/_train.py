@@ -47,7 +47,7 @@ def resolve_compile_regions(opts: TrainOptions) -> str:
     82.0-94.0 s whole); `whole` elsewhere, including CUDA, where it has not been measured."""
     import torch
 
-    from ._config import REGIONS_FROM_LAYERS
+    from ._config import REGIONS_FROM_LAYERS, STEP_RECOMPUTE
 
     if opts.compile_regions != "auto":
         return opts.compile_regions
@@ -57,7 +57,7 @@ def resolve_compile_regions(opts: TrainOptions) -> str:
         and opts.parallel == "none"
         and not opts.cuda_graphs
         and not opts.pipeline_sparse
-        and opts.recompute in ("none", "attention")  # not recir-recompute-activations' copies
+        and opts.recompute not in STEP_RECOMPUTE
         and not torch.cuda.is_available()
     )
     return "repeated" if repeated else "whole"
