@@ -158,7 +158,7 @@ def test_dlrmv3_factored_mask_equals_the_dense_mask_with_gradients():
 @pytest.mark.parametrize("per_sample_scale", [False, True])
 def test_dlrmv3_recomputed_attention_equals_the_kept_scores_with_gradients(per_sample_scale):
     # With STULayer.recompute_scores the factored attention's backward recomputes each row block's
-    # scores (_RecomputedAttention): the same values and gradients (input and every parameter) as
+    # scores (the recir::hstu_attention op): the same values and gradients (input and every parameter) as
     # autograd through the kept scores, for padded history, padded candidates, an empty history and row
     # blocks, and the forward keeps nothing of [B, H, rows, keys] for the backward.
     torch.manual_seed(0)

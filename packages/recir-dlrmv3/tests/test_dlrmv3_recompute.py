@@ -16,6 +16,7 @@ TINY = dict(batch_size=4, embedding_dim=16, num_layers=2, num_heads=2, uih_len=8
             hash_size=200, num_threads=1)  # fmt: skip
 FLAGS = [f"--{k}={v}" for k, v in TINY.items()]
 _BARRIER = torch.ops.recir.recompute_barrier.default
+_ATTENTION_BWD = torch.ops.recir.hstu_attention_backward.default
 
 
 def _trained(target: str, recompute: str, steps: int = 3, **sizes):  # type: ignore[no-untyped-def]
@@ -48,14 +49,15 @@ def test_dlrmv3_recompute_is_bit_exact_on_the_interpreter():
 @pytest.mark.tpu
 def test_dlrmv3_recompute_on_the_tpu_path_matches_and_needs_less_memory():
     # layers: attention scores dominate the activations; the last layer computes its candidates only.
-    # attention: each STU attention's backward recomputes its scores behind recir::recompute_barrier
-    # (without it XLA's CSE merges them with the forward's and keeps them after all), one barrier per
-    # layer but the last, which computes its candidates only (STULayer.forward_candidates)
+    # attention: each STU attention is recir::hstu_attention, whose backward op recomputes its scores
+    # (in its JAX lowering behind recompute_barrier's fence: without it XLA's CSE merges them with the
+    # forward's and keeps them after all), one per layer but the last, which computes its candidates
+    # only (STULayer.forward_candidates)
     sizes = dict(uih_len=128, embedding_dim=32, num_layers=3)
     base, losses, state = _trained("tpu", "none", steps=2, **sizes)
-    for mode, barriers, bound in (("layers", 3, 0.8), ("attention", 2, 0.9)):
+    for mode, fence, barriers, bound in (("layers", _BARRIER, 3, 0.8), ("attention", _ATTENTION_BWD, 2, 0.9)):
         trainer, other_losses, other = _trained("tpu", mode, steps=2, **sizes)
-        assert sum(n.target is _BARRIER for n in trainer.graph.graph.nodes) == barriers, mode
+        assert sum(n.target is fence for n in trainer.graph.graph.nodes) == barriers, mode
         assert other_losses == pytest.approx(losses, rel=1e-6, abs=1e-7)
         for name, value in state.items():  # optimizer state within 1e-6, parameters within 1e-5:
             # Adam divides each gradient by its own root mean square, so a near-zero entry whose sum

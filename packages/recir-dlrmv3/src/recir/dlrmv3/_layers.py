@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import recir.transforms  # noqa: F401  (registers recir::recompute_barrier)
 import torch
 import torch.nn.functional as F
+from recir.transforms import hstu_attention, hstu_attention_reference
 from torch import nn
 
 
@@ -94,8 +94,9 @@ class TargetAwareMask:
     """`attention_mask(valid, order)` in factored form, for the order `token_order` builds: slots
     `[0, prefix)` (contextual and history) see strictly earlier slots, every later slot (a candidate)
     sees the whole prefix, each token sees itself, padded tokens (`valid` [B, N] False) see and are seen
-    by nothing. `STULayer.attention` computes with it without a `[B, N, N]` mask: scores only against the
-    prefix's keys, the causal part from slot indices, each token's own score apart. The contextual and
+    by nothing. `STULayer.attention` computes with it without a `[B, N, N]` mask (recir.transforms'
+    `hstu_attention`): scores only against the prefix's keys, the causal part from slot indices, each
+    token's own score apart. The contextual and
     history slots must be valid as a prefix of `[0, prefix)` (as `valid_tokens` makes them)."""
 
     valid: torch.Tensor
@@ -150,93 +151,6 @@ def _to_heads(rows: torch.Tensor, at: tuple[torch.Tensor, ...], B: int, N: int, 
     return rows.new_zeros(B, H, N, A).index_put(at, rows.reshape(-1, H, A))
 
 
-def _factored_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    valid: torch.Tensor,
-    scale: torch.Tensor,
-    prefix: int,
-    alpha: float,
-    bounds: tuple[int, ...],
-) -> torch.Tensor:
-    """`STULayer.attention` over `TargetAwareMask(valid, prefix)`, its query rows in blocks `bounds`."""
-    keep = valid[:, None, :, None].to(q.dtype)  # [B, 1, N, 1]
-    keys = k[:, :, :prefix] * keep[:, :, :prefix]  # a padded key scores SiLU(0) = 0
-    own = F.silu(alpha * (q * k).sum(dim=-1, keepdim=True)) / scale  # [B, H, N, 1]
-    outs = []
-    for r0, r1, c, earlier in _row_blocks(bounds, prefix, q):
-        scores = F.silu(alpha * (q[:, :, r0:r1] @ keys[:, :, :c].transpose(-1, -2))) / scale
-        outs.append((scores * earlier) @ v[:, :, :c])
-    attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return (attn + own * v) * keep
-
-
-_silu_backward = torch.ops.aten.silu_backward.default  # (grad of silu(s), s) -> grad of s
-
-
-class _RecomputedAttention(torch.autograd.Function):
-    """`_factored_attention` whose backward recomputes each row block's scores from q and the
-    keys instead of keeping them: autograd keeps the `[B, H, rows, keys]` products of every block and
-    layer alive from the forward to the backward (at UIH 1024, batch 4, full size: 51 MB per layer); this
-    keeps q, k and v only and pays one more product per block in the backward. Arguments as
-    `_factored_attention`'s (scale broadcastable to the scores, no gradient); values equal its up to
-    summation order."""
-
-    @staticmethod
-    def forward(*args: Any) -> torch.Tensor:  # type: ignore[override]
-        return _factored_attention(*args)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        q, k, v, valid, scale, prefix, alpha, bounds = inputs
-        ctx.save_for_backward(q, k, v, valid, scale)
-        ctx.prefix, ctx.alpha, ctx.bounds = prefix, alpha, bounds
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, valid, scale = ctx.saved_tensors
-        p, alpha = ctx.prefix, ctx.alpha
-        B, H, N, A = q.shape
-        keep = valid[:, None, :, None].to(q.dtype)
-        g = grad * keep
-        # recomputed behind recir-recompute-activations' barrier, which waits for the gradient: without it
-        # a compiler that merges identical computations (XLA's CSE) folds the recomputed scores back into
-        # the forward's and keeps them alive after all (measured: XLA's temporaries up, not down)
-        q, keys, _ = torch.ops.recir.recompute_barrier.default([q, k[:, :, :p] * keep[:, :, :p], grad])
-        dq_blocks, dkeys, dv_prefix = [], q.new_zeros(B, H, p, A), q.new_zeros(B, H, p, A)
-        for r0, r1, c, earlier in _row_blocks(ctx.bounds, p, q):
-            q_b, g_b = q[:, :, r0:r1], g[:, :, r0:r1]
-            s = alpha * (q_b @ keys[:, :, :c].transpose(-1, -2))
-            weights = F.silu(s) / scale * earlier
-            ds = _silu_backward((g_b @ v[:, :, :c].transpose(-1, -2)) * earlier, s) / scale
-            dq_blocks.append(alpha * (ds @ keys[:, :, :c]))
-            pad = (0, 0, 0, p - c)
-            dkeys = dkeys + F.pad(alpha * (ds.transpose(-1, -2) @ q_b), pad)
-            dv_prefix = dv_prefix + F.pad(weights.transpose(-1, -2) @ g_b, pad)
-        t = alpha * (q * k).sum(dim=-1, keepdim=True)  # each token's own score
-        dt = _silu_backward((g * v).sum(dim=-1, keepdim=True), t) / scale
-        tail = (0, 0, 0, N - p)
-        dq = torch.cat(dq_blocks, dim=2) if len(dq_blocks) > 1 else dq_blocks[0]
-        dq = dq + alpha * dt * k
-        dk = F.pad(dkeys * keep[:, :, :p], tail) + alpha * dt * q
-        dv = F.pad(dv_prefix, tail) + F.silu(t) / scale * g
-        return dq, dk, dv, None, None, None, None, None
-
-
-def _row_blocks(
-    bounds: tuple[int, ...], prefix: int, q: torch.Tensor
-) -> list[tuple[int, int, int, torch.Tensor]]:
-    """(r0, r1, c, earlier) per row block: its rows, the prefix keys it can see (strictly earlier slots:
-    `c = min(r1, prefix)`) and that causal part as a `[rows, c]` 0/1 mask."""
-    out = []
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
-        c = min(r1, prefix)
-        rows = torch.arange(r0, r1, device=q.device)[:, None]
-        out.append((r0, r1, c, (torch.arange(c, device=q.device)[None, :] < rows).to(q.dtype)))
-    return out
-
-
 class STULayer(nn.Module):
     """One HSTU layer: pointwise SiLU attention over the target-aware causal mask, no softmax."""
 
@@ -258,8 +172,8 @@ class STULayer(nn.Module):
         self.attn_norm = nn.LayerNorm(num_heads * head_dim)
         self.output = nn.Linear(3 * num_heads * head_dim, dim, bias=False)
         self.alpha = 1.0 / math.sqrt(head_dim)
-        #: The attention over a `TargetAwareMask` recomputes its scores in the backward instead of keeping
-        #: them from the forward (`_RecomputedAttention`; `--recompute attention`).
+        #: The attention over a `TargetAwareMask` is the `recir::hstu_attention` op, whose backward
+        #: recomputes its scores instead of keeping them from the forward (`--recompute attention`).
         self.recompute_scores = False
 
     def forward(
@@ -392,17 +306,20 @@ class STULayer(nn.Module):
         padded keys zeroed (SiLU(0) = 0), the causal part `key < query` from slot indices, each token's
         own score added as a `[B, H, N]` term, padded query rows zeroed at the end. Equal to the dense
         mask's values up to summation order, with fewer products and no mask loads (UIH 128 with 64
-        candidates, serving: the score tensor is 2/3 of N x N). With `recompute_scores` its backward
-        recomputes the scores instead of keeping them (`_RecomputedAttention`)."""
+        candidates, serving: the score tensor is 2/3 of N x N): `recir.transforms.hstu_attention_reference`
+        traced inline. With `recompute_scores` it is the `recir::hstu_attention` op instead (one opaque
+        node, its backward op recomputing the scores rather than keeping them), which each lowering
+        implements: Inductor on its reference, a blocked JAX formulation or a Pallas kernel on the TPU
+        path."""
         n = q.shape[2]
         blocks = self.attention_blocks or (2 if n >= self.BLOCKED_FROM else 1)
         scale = max_len.to(q.dtype)
         bounds = [n * i // blocks for i in range(blocks + 1)]
         if isinstance(mask, TargetAwareMask):
-            args = (q, k, v, mask.valid, scale, mask.prefix, self.alpha, tuple(bounds))
+            args = (q, k, v, mask.valid, scale, mask.prefix, self.alpha, bounds)
             if self.recompute_scores:
-                return _RecomputedAttention.apply(*args)  # type: ignore[no-any-return]
-            return _factored_attention(*args)
+                return hstu_attention(*args)  # type: ignore[no-any-return]
+            return hstu_attention_reference(*args)
         if blocks == 1:
             scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / scale
             return (scores * mask[:, None].to(q.dtype)) @ v

@@ -18,6 +18,7 @@ from recir.transforms import (
     OPTIMIZER_KEY,
     RECOMPUTE_KEY,
     ConfigError,
+    InlineReferences,
     Pipeline,
     StepGraph,
     Transform,
@@ -33,6 +34,7 @@ from ._regions import RegionSplit
 from ._store import expand_recompute_barriers, register_inductor_lowering, store_rng_masks, store_shared_masks
 
 log = logging.getLogger("recir.lower_gpu")
+_HSTU_ATTENTION = (torch.ops.recir.hstu_attention.default, torch.ops.recir.hstu_attention_backward.default)
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
@@ -238,7 +240,8 @@ def gpu_pipeline(
     2. recir-embedding's transforms: sparse row-wise table updates, then the backend's kernels; with the
        ``fbgemm`` backend and ``GPUOptions(fused_tbe=True)``, the tables FBGEMM's TBE can train are
        marked and the step is cut at the embedding boundary (``recir-embed-cut-host-split``): what
-       follows compiles only the device part, and TBE runs the tables around it;
+       follows compiles only the device part, and TBE runs the tables around it; ``recir::hstu_attention``
+       and its backward inlined as their ATen references (Inductor generates their kernels);
     3. dropout masks stored once (``GPUOptions.store_rng_masks``; by default when the step recomputes
        activations), and boolean values many kernels read,
        such as an attention mask (``GPUOptions.store_shared_masks``);
@@ -267,6 +270,11 @@ def gpu_pipeline(
     transforms += embedding
     if fused:
         transforms.append(CutHostSplit())
+    attention = [n for n in step.graph.nodes if n.target in _HSTU_ATTENTION]
+    if attention:
+        # Inductor generates the attention's kernels from its ATen reference (fused around the products);
+        # the backward reference reads its recomputed scores through a recompute barrier
+        transforms.append(InlineReferences(ops=tuple(op._schema.name for op in _HSTU_ATTENTION)))
     barriers = [n for n in step.graph.nodes if n.target is torch.ops.recir.recompute_barrier.default]
     # recomputed activations (recir-recompute-activations' copies), not a model's own barriers (a custom
     # backward recomputing what it did not keep, such as DLRMv3's attention scores)
@@ -275,7 +283,7 @@ def gpu_pipeline(
         transforms.append(StoreRngMasks())
     if options.store_shared_masks:
         transforms.append(StoreSharedMasks())
-    if barriers:
+    if barriers or attention:
         transforms.append(ExpandRecomputeBarriers())
     transforms.append(RetargetDevices(device=str(device)))
     if _onednn_matmuls(options, device):

@@ -30,11 +30,12 @@ from recir.embedding import (
 from recir.transforms import ConfigError, DataError, Pipeline, StepGraph, verify, verify_level
 from torch import nn
 
-from . import _host_checks, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
+from . import _host_checks, _hstu, _lowerings, _ring_shift  # noqa: F401 - register RecIR's built-in lowerings
 from ._cache import cache_hits, compile_cache
 from ._convert import check_state_count, jax_dtype, to_jax, to_torch
 from ._host_checks import HostCheck, host_checks_of
 from ._host_split import HostSplitCompiledStep
+from ._hstu import ATTENTION_KERNELS
 from ._multihost import gather_to_every_process
 from ._pipeline import tpu_pipeline
 from ._placement import Placement
@@ -64,6 +65,10 @@ class TPUOptions:
     large embedding tables) by transparent huge pages (Linux; ``recir.embedding.advise_huge_pages``) when
     ``init_state``/``load_state_dict`` build the state; the donated buffers keep them from step to step, and
     a row lookup or update stops paying a TLB miss per id. Default 256 MiB; ``None``: never.
+    ``attention_kernel``: how ``recir::hstu_attention`` (HSTU's target-aware attention) runs: ``blocked``
+    (a blocked JAX formulation, query row blocks against only the keys they see) or ``pallas`` (its
+    forward as a Pallas kernel that skips padded history keys; Pallas's interpreter off a TPU, so only
+    for checking it there; the backward stays blocked).
     """
 
     x64: bool | None = None
@@ -73,6 +78,14 @@ class TPUOptions:
     donate_state: bool = True
     host_checks: bool = True
     huge_pages_min_bytes: int | None = HUGE_PAGES_MIN_BYTES
+    attention_kernel: str = "blocked"
+
+    def __post_init__(self) -> None:
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(
+                f"TPUOptions(attention_kernel={self.attention_kernel!r}): expected one of "
+                f"{', '.join(ATTENTION_KERNELS)}"
+            )
 
 
 #: ``init_state(release=...)`` trims the heap after releasing a source at least this large (a table)
@@ -435,7 +448,11 @@ def compile(
     name = resolve_backend(embedding_backend, "tpu", None, row_sharded)
     # The lowering's rewrites as code (recir.lower_tpu._pipeline.tpu_pipeline), on a private copy.
     pipeline = tpu_pipeline(
-        step, sparse_updates=options.sparse_updates, backend=name, row_sharded=row_sharded
+        step,
+        sparse_updates=options.sparse_updates,
+        backend=name,
+        row_sharded=row_sharded,
+        attention_kernel=options.attention_kernel,
     )
     step = pipeline.run(step.copy())
     report = embedding_report(pipeline, name, "tpu")

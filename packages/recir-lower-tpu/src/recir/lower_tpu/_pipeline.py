@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 from recir.transforms import Pipeline, StepGraph, Transform
 
+from ._hstu import PallasAttention
+
 
 def tpu_pipeline(
     step: StepGraph,
@@ -18,6 +20,7 @@ def tpu_pipeline(
     sparse_updates: bool,
     backend: str,
     row_sharded: Mapping[str, str] | None,
+    attention_kernel: str = "blocked",
 ) -> Pipeline:
     """The TPU lowering of ``step`` as a Pipeline (what torchax then traces into one ``jax.jit`` program):
 
@@ -26,7 +29,9 @@ def tpu_pipeline(
        row-sharded table (``row_sharded``: state slot -> mesh axis) and its row update ring ops. The
        run-time id checks leave the graph (XLA cannot raise on data): the host runs them before each step;
     2. ``cpu``: the tables whose update is row-wise are marked for the host and the step is cut at the
-       embedding boundary (``recir-embed-cut-host-split``): only the device part is compiled.
+       embedding boundary (``recir-embed-cut-host-split``): only the device part is compiled;
+    3. ``attention_kernel="pallas"``: ``recir::hstu_attention``'s forward as the Pallas kernel (the
+       blocked JAX formulation otherwise: a registered lowering, nothing to rewrite).
     """
     from recir.embedding import CutHostSplit, embedding_transforms
 
@@ -40,4 +45,6 @@ def tpu_pipeline(
     )
     if backend == "cpu":
         transforms.append(CutHostSplit())
+    if attention_kernel == "pallas":
+        transforms.append(PallasAttention())
     return Pipeline(transforms, name="recir.lower_tpu")

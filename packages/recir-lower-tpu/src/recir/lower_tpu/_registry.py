@@ -7,12 +7,11 @@ then torchax's own table, then, for ``recir::*`` ops, the pure-ATen reference ne
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from recir.transforms import reference_for
 
 JaxLowering = Callable[..., Any]
 F = TypeVar("F", bound=JaxLowering)
@@ -64,24 +63,7 @@ def jax_lowering_for(op: torch._ops.OpOverload) -> JaxLowering | None:
 
 
 def aten_reference_for(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
-    """The pure-ATen reference of a ``recir::*`` custom op, found by convention, or None.
-
-    Convention (shared with recir-transforms and recir-embedding): an op ``recir::<name>`` defined with
-    ``torch.library.custom_op`` in module M has its reference at ``M.<name>_reference``, taking the
-    op's arguments. It runs under torchax, so its ATen ops lower like any other graph op.
-    """
-    if op.namespace != "recir":
-        return None
-    try:
-        from torch._library.custom_ops import OPDEFS
-    except ImportError:  # pragma: no cover - torch moved it
-        return None
-    opdef = OPDEFS.get(op._schema.name)
-    init_fn = getattr(opdef, "_init_fn", None)
-    module_name = getattr(init_fn, "__module__", None)
-    if not module_name:
-        return None
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    short = op._schema.name.split("::", 1)[1]
-    ref = getattr(module, f"{short}_reference", None)
-    return ref if callable(ref) else None
+    """The pure-ATen reference of a ``recir::*`` custom op (``recir.transforms.reference_for``: by
+    convention ``<name>_reference`` beside the op's definition), or None. It runs under torchax, so its
+    ATen ops lower like any other graph op."""
+    return reference_for(op)

@@ -26,6 +26,10 @@ from ._errors import (
 from ._graph_util import alias_chain as alias_chain
 from ._graph_util import format_val as format_val
 from ._graph_util import format_window as format_window
+from ._hstu import HSTU_ATTENTION_OVERRIDE as HSTU_ATTENTION_OVERRIDE
+from ._hstu import hstu_attention as hstu_attention
+from ._hstu import hstu_attention_backward_reference as hstu_attention_backward_reference
+from ._hstu import hstu_attention_reference as hstu_attention_reference
 from ._inference import INFERENCE_KEY as INFERENCE_KEY
 from ._inference import to_inference as to_inference
 from ._metadata import GRAD_OF_KEY as GRAD_OF_KEY
@@ -62,6 +66,9 @@ from ._override import (
 )
 from ._override import (
     override_for_op as override_for_op,
+)
+from ._override import (
+    reference_for as reference_for,
 )
 from ._override import (
     register_override as register_override,
@@ -184,6 +191,7 @@ from ._transforms import PIPELINE_SPARSE_KEY as PIPELINE_SPARSE_KEY
 from ._transforms import RECOMPUTE_KEY as RECOMPUTE_KEY
 from ._transforms import CommonSubexpressionElimination as CommonSubexpressionElimination
 from ._transforms import DeadCodeElimination as DeadCodeElimination
+from ._transforms import InlineReferences as InlineReferences
 from ._transforms import MixedPrecision as MixedPrecision
 from ._transforms import Narrow as Narrow
 from ._transforms import PipelineSparse as PipelineSparse
@@ -294,6 +302,7 @@ __all__ = [
     # built-in transforms and utilities
     "DeadCodeElimination",
     "CommonSubexpressionElimination",
+    "InlineReferences",
     "MixedPrecision",
     "Narrow",
     "Recompute",
@@ -311,11 +320,16 @@ __all__ = [
     "register_override_op",
     "registered_overrides",
     "override_for_op",
+    "reference_for",
     "apply_overrides",
     # core recir::* ops
     "embedding_bag",
     "embedding_bag_reference",
     "bag_segment_ids",
+    "hstu_attention",
+    "hstu_attention_reference",
+    "hstu_attention_backward_reference",
+    "HSTU_ATTENTION_OVERRIDE",
     # lowering protocol
     "CompiledStep",
     # private APIs of dependencies, checked before the first compile

@@ -9,8 +9,10 @@ that recir-embedding can define them and recir-capture can apply them without de
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
-from typing import ClassVar
+import importlib
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -76,6 +78,30 @@ def override_for_op(op: object) -> str | None:
     else:
         qualname = str(op)
     return _OVERRIDE_OPS.get(qualname)
+
+
+def reference_for(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
+    """The pure-ATen reference of a ``recir::*`` custom op, found by convention, or None.
+
+    Convention (recir-transforms, recir-embedding and the lowerings share it): an op ``recir::<name>``
+    defined with ``torch.library.custom_op`` in module M has its reference at ``M.<name>_reference``,
+    taking the op's arguments. Lowerings inline it (``InlineReferences``) or trace it (the TPU path).
+    """
+    if op.namespace != "recir":
+        return None
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # pragma: no cover - torch moved it
+        return None
+    opdef = OPDEFS.get(op._schema.name)
+    init_fn = getattr(opdef, "_init_fn", None)
+    module_name = getattr(init_fn, "__module__", None)
+    if not module_name:
+        return None
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    short = op._schema.name.split("::", 1)[1]
+    ref = getattr(module, f"{short}_reference", None)
+    return ref if callable(ref) else None
 
 
 def apply_overrides(

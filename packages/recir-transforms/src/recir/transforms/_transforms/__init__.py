@@ -2,6 +2,7 @@
 
 from .cse import CommonSubexpressionElimination as CommonSubexpressionElimination
 from .dce import DeadCodeElimination as DeadCodeElimination
+from .inline_references import InlineReferences as InlineReferences
 from .mixed_precision import MixedPrecision as MixedPrecision
 from .narrow import Narrow as Narrow
 from .narrow import Narrowing as Narrowing
@@ -17,6 +18,7 @@ __all__ = [
     "RECOMPUTE_KEY",
     "CommonSubexpressionElimination",
     "DeadCodeElimination",
+    "InlineReferences",
     "MixedPrecision",
     "Narrow",
     "Narrowing",
