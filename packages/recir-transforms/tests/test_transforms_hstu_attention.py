@@ -152,3 +152,25 @@ def test_reference_is_what_the_op_runs():
     q, k, v, valid, scale = _inputs()
     args = (q, k, v, valid, scale, PREFIX, ALPHA, [0, 6, N])
     torch.testing.assert_close(hstu_attention(*args), hstu_attention_reference(*args), rtol=0, atol=0)
+
+
+def test_mixed_precision_runs_the_attention_ops_low():
+    # recir-mixed-precision: both ops read bf16 q, k, v (and gradient); their results come back fp32, so the
+    # optimizer still updates fp32 state; values near fp32's
+    from _transforms_stepgraphs import run_steps
+    from recir.transforms import MixedPrecision
+
+    step, state, batch = _attention_step()
+    result = MixedPrecision(compute_dtype="bfloat16").run(step.copy())
+    assert result.stats["hstu_attention"] == 1 and result.stats["hstu_attention_backward"] == 1
+    verify(result.step)
+    for node in result.step.graph.nodes:
+        if node.target in (_OP, _BWD):
+            tensors = node.args[:4] if node.target is _BWD else node.args[:3]
+            assert all(a.meta["val"].dtype == torch.bfloat16 for a in tensors)
+            readers = [r for u in node.users for r in u.users] if node.target is _BWD else list(node.users)
+            assert all(r.target is torch.ops.aten._to_copy.default for r in readers)
+    want, got = run_steps(step, state, batch), run_steps(result.step, state, batch)
+    for g, w in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)

@@ -49,6 +49,7 @@ def _dot(a, b):  # batched [.., m, k] x [.., k, n], f32 accumulation for bf16 op
 @register_jax_lowering("recir::hstu_attention")
 def hstu_attention_blocked(q, k, v, valid, scale, prefix: int, alpha: float, bounds: Sequence[int]):
     """``recir.transforms.hstu_attention_reference`` in JAX, block by block."""
+    scale = jnp.asarray(scale).astype(q.dtype)  # as ATen's 0-d tensor: never promotes bf16 q to fp32
     keep = valid[:, None, :, None].astype(q.dtype)
     keys = k[:, :, :prefix] * keep[:, :, :prefix]
     own = jax.nn.silu(alpha * jnp.sum(q * k, axis=-1, keepdims=True)) / scale
@@ -72,6 +73,7 @@ def hstu_attention_backward_blocked(
     """``recir.transforms.hstu_attention_backward_reference`` in JAX: (dq, dk, dv), scores recomputed."""
     p = prefix
     B, H, N, A = q.shape
+    scale = jnp.asarray(scale).astype(q.dtype)
     keep = valid[:, None, :, None].astype(q.dtype)
     g = grad * keep
     q, keys, _ = recir_recompute_barrier([q, k[:, :, :p] * keep[:, :, :p], grad])

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _hstu  # noqa: F401 - registers recir::hstu_attention (a product this transform lowers)
 from .._errors import ConfigError
 from .._graph_util import node_val
 from .._step import PHASE_KEY, SCOPE_KEY, StepGraph
@@ -26,6 +27,14 @@ _MATMULS: dict[Any, tuple[int, ...]] = {
     _aten.addmm.default: (0, 1, 2),
     _aten.baddbmm.default: (0, 1, 2),
 }
+# recir::hstu_attention and its backward: products inside an op (its q, k, v and the gradient run low, its
+# results come back fp32), as torch.autocast would run the attention's products and what reads them
+_MATMULS.update(
+    {
+        torch.ops.recir.hstu_attention.default: (0, 1, 2),
+        torch.ops.recir.hstu_attention_backward.default: (0, 1, 2, 3),
+    }
+)
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Ops a cast commutes with (views of a whole tensor, and clone): the cast moves to their source and
 # the op is redone on the copy, so a weight read as `t(w)` forward and as `w` backward (or an activation
@@ -74,9 +83,9 @@ class MixedPrecision(Transform):
     class Options:
         compute_dtype: str = "bfloat16"  # "bfloat16" | "float16"
         phases: tuple[str, ...] = ("forward", "backward")
-        # which products run low: any of mm, bmm, addmm, baddbmm (a backend whose low-precision batched
-        # products are slow leaves bmm/baddbmm out)
-        ops: tuple[str, ...] = ("mm", "bmm", "addmm", "baddbmm")
+        # which products run low: any of mm, bmm, addmm, baddbmm, hstu_attention, hstu_attention_backward
+        # (a backend whose low-precision batched products are slow leaves bmm/baddbmm out)
+        ops: tuple[str, ...] = ("mm", "bmm", "addmm", "baddbmm", "hstu_attention", "hstu_attention_backward")
 
     def requires(self, step: StepGraph) -> None:
         if self.options.compute_dtype not in _LOW:
@@ -88,7 +97,7 @@ class MixedPrecision(Transform):
         if unknown:
             raise ConfigError(
                 f"{self.name}: ops={self.options.ops!r} names {', '.join(unknown)}, which it does not "
-                "rewrite. Fix: choose from mm, bmm, addmm, baddbmm."
+                "rewrite. Fix: choose from mm, bmm, addmm, baddbmm, hstu_attention, hstu_attention_backward."
             )
         if "optimizer" in self.options.phases:
             raise ConfigError(
@@ -116,18 +125,12 @@ class MixedPrecision(Transform):
                 args[i] = self._low(graph, args[i], low, node, casts)
             node.args = tuple(args)
             node.meta["val"] = node.target(*[node_val(a) if isinstance(a, fx.Node) else a for a in args])
-            with graph.inserting_after(node):
-                back = graph.create_node(
-                    "call_function",
-                    _aten._to_copy.default,
-                    (node,),
-                    {"dtype": torch.float32},
-                    name=f"{node.name}_f32",
-                )
-            node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
-            back.meta.update({PHASE_KEY: node.meta[PHASE_KEY], "val": node_val(node).to(torch.float32)})
-            if SCOPE_KEY in node.meta:
-                back.meta[SCOPE_KEY] = node.meta[SCOPE_KEY]
+            if isinstance(node.meta["val"], tuple):  # the attention's backward: its getitems come back fp32
+                for item in list(node.users):
+                    item.meta["val"] = node.meta["val"][item.args[1]]
+                    _back_to_fp32(graph, item, node)
+            else:
+                _back_to_fp32(graph, node, node)
             name = str(node.target.overloadpacket.__name__)
             rewritten[name] = rewritten.get(name, 0) + 1
         for src in reversed(list(casts)):  # fp32 views only the products read are dead now
@@ -160,3 +163,19 @@ class MixedPrecision(Transform):
             low.meta[SCOPE_KEY] = user.meta[SCOPE_KEY]
         memo[src] = low
         return low
+
+
+def _back_to_fp32(graph: fx.Graph, value: fx.Node, op: fx.Node) -> None:
+    """Readers of ``value`` (low precision now) read an fp32 copy of it instead, made right after it."""
+    with graph.inserting_after(value):
+        back = graph.create_node(
+            "call_function",
+            _aten._to_copy.default,
+            (value,),
+            {"dtype": torch.float32},
+            name=f"{value.name}_f32",
+        )
+    value.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    back.meta.update({PHASE_KEY: op.meta[PHASE_KEY], "val": node_val(value).to(torch.float32)})
+    if SCOPE_KEY in op.meta:
+        back.meta[SCOPE_KEY] = op.meta[SCOPE_KEY]
