@@ -90,8 +90,16 @@ class ReleasedWeights:
 
 def _as_torch(value: Any) -> torch.Tensor:
     """A torch view of a state value: a torch tensor as is, a single-device JAX array through DLPack (once
-    it is computed)."""
+    it is computed), or a host copy of an array on a device DLPack cannot export (a TPU's)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
     value.block_until_ready()
-    return torch.from_dlpack(value)
+    try:
+        return torch.from_dlpack(value)
+    except BufferError:  # measured, jax 0.10.2 on a TPU v5e: "__dlpack__ device only supported for CPU and GPU"
+        import numpy as np
+
+        host = np.array(value)  # a writable host copy
+        if host.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, which torch.from_numpy does not take
+            return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(host)

@@ -69,6 +69,12 @@ class TPUOptions:
     (a blocked JAX formulation, query row blocks against only the keys they see) or ``pallas`` (its
     forward as a Pallas kernel that skips padded history keys; Pallas's interpreter off a TPU, so only
     for checking it there; the backward stays blocked).
+    ``matmul_precision``: how a TPU computes float32 matrix products and convolutions (JAX's ``default``: one
+    bf16 pass, ``high``: three, ``highest``: float32; XLA on CPUs computes float32 either way). ``None`` (the
+    default) follows torch's own knob at compile time, ``torch.get_float32_matmul_precision()``: ``highest``
+    (torch's default, so an fp32 step computes what eager does) -> ``highest``, ``high`` -> ``high``,
+    ``medium`` -> ``default``. recir-mixed-precision's bf16 products take bf16 operands and run one pass
+    whatever this says.
     """
 
     x64: bool | None = None
@@ -79,13 +85,39 @@ class TPUOptions:
     host_checks: bool = True
     huge_pages_min_bytes: int | None = HUGE_PAGES_MIN_BYTES
     attention_kernel: str = "blocked"
+    matmul_precision: str | None = None
 
     def __post_init__(self) -> None:
+        if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS.values():
+            raise ConfigError(
+                f"TPUOptions(matmul_precision={self.matmul_precision!r}): expected one of "
+                f"{', '.join(MATMUL_PRECISIONS.values())}, or None to follow torch.get_float32_matmul_precision()"
+            )
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"TPUOptions(attention_kernel={self.attention_kernel!r}): expected one of "
                 f"{', '.join(ATTENTION_KERNELS)}"
             )
+
+
+#: torch.get_float32_matmul_precision() -> the JAX precision of float32 products (TPUOptions.matmul_precision)
+MATMUL_PRECISIONS = {"highest": "highest", "high": "high", "medium": "default"}
+
+
+def matmul_precision(options: TPUOptions) -> str:
+    """The JAX matmul precision a step compiled with ``options`` traces its float32 products with."""
+    return options.matmul_precision or MATMUL_PRECISIONS[torch.get_float32_matmul_precision()]
+
+
+def _with_matmul_precision(fn: Callable[..., Any], precision: str) -> Callable[..., Any]:
+    """``fn`` traced under ``jax.default_matmul_precision(precision)``: the setting is read when each product
+    is traced, so it binds this program only (not the process's other JAX code)."""
+
+    def traced(*args: Any) -> Any:
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    return traced
 
 
 #: ``init_state(release=...)`` trims the heap after releasing a source at least this large (a table)
@@ -128,8 +160,13 @@ class TPUCompiledStep:
         # from its own devices without another collective.
         self._multiprocess = placement.mesh is not None and jax.process_count() > 1
         out_sharding = placement.replicated() if self._multiprocess else None
-        self._fn = _ring_shift.with_ring_mesh(
-            jax_step_fn(step, self._env, out_dtypes, placement.node_sharding), placement.mesh
+        #: JAX's matmul precision for the float32 products (TPUOptions.matmul_precision, resolved now)
+        self.matmul_precision = matmul_precision(options)
+        self._fn = _with_matmul_precision(
+            _ring_shift.with_ring_mesh(
+                jax_step_fn(step, self._env, out_dtypes, placement.node_sharding), placement.mesh
+            ),
+            self.matmul_precision,
         )
         self._jitted = jax.jit(
             self._fn,

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One prepared TPU-path run for a lent TPU machine (the device tool's tpu-v5e): its own Python 3.11 with JAX and
+# libtpu preinstalled, torch only as a CPU wheel in /opt/wheels, no package index for the rest. RecIR runs from
+# its sources on PYTHONPATH; TorchRec, FBGEMM's CPU build, torchax and their needs travel as wheels in .whl-tpu/
+# (the README's "On a TPU" names them). Stages (STAGES, default "env smoke bench tests"), logs under $OUT:
+#   env    versions and devices;
+#   smoke  a 6-step DLRMv3 run through the TPU trainer;
+#   bench  benchmarks/dlrmv3.py, TPU rows (BENCH_ARGS, default every configuration, fp32 and bf16);
+#   tests  the tpu-marked tests in one process (one program at a time can hold the chip).
+# Use: OUT=/some/dir bash benchmarks/tpu_session.sh; keep a call under the device's 10 minutes.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+OUT="${OUT:-$(mktemp -d)}"; mkdir -p "$OUT"
+STAGES="${STAGES:-env smoke bench tests}"
+# The machine's JAX belongs to its Python 3.11; a bare python3 there follows this checkout's .python-version (3.12).
+PY="${PY:-python3.11}"
+SITE=/tmp/site
+if [ ! -e "$SITE/.installed" ]; then  # a warm machine keeps /tmp between calls
+  el "installing torch (/opt/wheels) and .whl-tpu/*.whl into $SITE"
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" /opt/wheels/torch-*cp311*.whl .whl-tpu/*.whl && touch "$SITE/.installed" \
+    || { echo "WHEEL INSTALL FAILED"; exit 1; }
+fi
+# The machine's JAX first, then the carried wheels; RecIR's sources before both.
+export PYTHONPATH="$(ls -d "$PWD"/packages/*/src | paste -sd:):${PYTHONPATH:-}:$SITE"
+export RECIR_CACHE_DIR="${RECIR_CACHE_DIR:-/tmp/recir-cache}"
+has() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
+
+if has env; then
+  el "env"
+  "$PY" - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import platform, sys
+import jax, torch
+print("python", sys.version.split()[0], platform.libc_ver(), "torch", torch.__version__, "jax", jax.__version__)
+print("devices", jax.devices())
+for mod in ("torchax", "torchrec", "fbgemm_gpu", "pytest"):
+    try:
+        m = __import__(mod); print(mod, getattr(m, "__version__", "present"))
+    except Exception as e:
+        print(mod, "missing:", type(e).__name__, str(e)[:200])
+import recir.lower_tpu, recir.dlrmv3  # noqa: F401  (the stack checks run at import)
+print("recir imports ok")
+PY
+fi
+if has smoke; then
+  el "smoke: 6 steps of DLRMv3 through the TPU trainer"
+  timeout 240 "$PY" -m recir.examples.dlrmv3.tpu.train --dataset debug --batch_size 4 --num_workers 0 \
+    --num_train_batches 6 --embedding_dim 64 --num_layers 1 --uih_len 16 --num_candidates 4 --hash_size 1000 \
+    --embedding_backend in_graph --log_every 1 2>&1 | tee "$OUT/smoke.log" | tail -15
+fi
+if has bench; then
+  el "bench: benchmarks/dlrmv3.py ${BENCH_ARGS:-}"
+  # shellcheck disable=SC2086
+  timeout "${BENCH_SECONDS:-420}" "$PY" benchmarks/dlrmv3.py --targets tpu --timeout "${ROW_SECONDS:-150}" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -30
+fi
+if has tests; then
+  el "tests: tpu-marked, on the chip"
+  # shellcheck disable=SC2086
+  timeout "${TEST_SECONDS:-300}" "$PY" -m pytest packages -m tpu -q -p no:cacheprovider -rfE ${TEST_ARGS:-} \
+    2>&1 | tee "$OUT/tpu-tests.log" | tail -40
+fi
+el "done"
