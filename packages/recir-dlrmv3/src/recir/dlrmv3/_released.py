@@ -96,7 +96,7 @@ def _as_torch(value: Any) -> torch.Tensor:
     value.block_until_ready()
     try:
         return torch.from_dlpack(value)
-    except BufferError:  # measured, jax 0.10.2 on a TPU v5e: "__dlpack__ device only supported for CPU and GPU"
+    except BufferError:  # jax 0.10.2 on a TPU v5e: "__dlpack__ device only supported for CPU and GPU"
         import numpy as np
 
         host = np.array(value)  # a writable host copy
