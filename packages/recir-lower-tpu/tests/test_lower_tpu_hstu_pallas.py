@@ -36,9 +36,54 @@ def _qkv(dim: int, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> list[jax.Ar
 
 
 def _run(q, k, v, valid, scale, **blocks) -> jax.Array:
-    """The kernel under ``jax.jit`` with ``scale`` an argument: the normaliser is traced, not a constant."""
+    """The kernel under ``jax.jit`` with ``scale`` an argument: the normaliser is traced, not a constant.
+    float32 products at ``highest``, as the reference's: on a TPU the default is one bf16 pass (measured on
+    a v5e: within 3e-3 of the reference, not 1e-5)."""
     fn = jax.jit(lambda q, k, v, m, s: hstu_attention_pallas(q, k, v, m, s, PREFIX, ALPHA, **blocks))
-    return fn(q, k, v, jnp.asarray(valid), scale)
+    with jax.default_matmul_precision("highest"):
+        return fn(q, k, v, jnp.asarray(valid), scale)
+
+
+def _kernel_dot_precisions(dtype, setting: str | None) -> set:
+    """The precision of every product inside the kernel, traced under ``default_matmul_precision(setting)``."""
+    q, k, v = _qkv(16, dtype)
+    fn = lambda q, k, v: hstu_attention_pallas(q, k, v, jnp.asarray(_valid()), 21.0, PREFIX, ALPHA)  # noqa: E731
+    if setting is None:
+        jaxpr = jax.make_jaxpr(fn)(q, k, v)
+    else:
+        with jax.default_matmul_precision(setting):
+            jaxpr = jax.make_jaxpr(fn)(q, k, v)
+    found: set = set()
+
+    def walk(jx) -> None:
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.add(eqn.params["precision"])
+            for value in eqn.params.values():  # pallas_call's kernel, cond branches (pl.when), loop bodies
+                for item in value if isinstance(value, tuple | list) else (value,):
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("dtype", "setting", "want"),
+    [
+        (jnp.float32, None, "DEFAULT"),
+        (jnp.float32, "highest", "HIGHEST"),
+        (jnp.float32, "high", "HIGHEST"),  # Mosaic has no three-pass product: rounded up, not refused
+        (jnp.bfloat16, "highest", "DEFAULT"),
+    ],
+)
+def test_kernel_products_take_the_traced_matmul_precision(dtype, setting, want) -> None:
+    """Mosaic compiles DEFAULT or HIGHEST only; the kernel's products follow TPUOptions.matmul_precision."""
+    precisions = _kernel_dot_precisions(dtype, setting)
+    assert precisions, "no product found inside the kernel"
+    want_p = getattr(jax.lax.Precision, want)
+    assert precisions == {(want_p, want_p)}
 
 
 def _assert_close(out: jax.Array, want: jax.Array, tol: float) -> None:

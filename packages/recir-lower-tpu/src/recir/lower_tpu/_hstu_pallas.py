@@ -35,6 +35,17 @@ def _block(name: str, block: int | None, n: int) -> int:
     return min(block, -(-n // 8) * 8)
 
 
+def _kernel_precision(dtype: Any) -> jax.lax.Precision:
+    """The in-kernel products' precision. Mosaic compiles DEFAULT (one bf16 pass) or HIGHEST (float32) and
+    raises NotImplementedError for anything between (jax 0.10.2), so float32 operands run HIGHEST unless
+    JAX's ``default_matmul_precision`` (TPUOptions.matmul_precision, traced around the step) asks for one
+    pass; bf16 operands are one pass either way."""
+    one_pass = (None, "default", "bfloat16", "fastest")
+    if jnp.dtype(dtype) != jnp.float32 or jax.config.jax_default_matmul_precision in one_pass:
+        return jax.lax.Precision.DEFAULT
+    return jax.lax.Precision.HIGHEST
+
+
 def _num_key_blocks(q_end: Any, hist: Any, block_k: int) -> Any:
     """Key blocks a query block ending at ``q_end`` reads: those holding a key ``j < min(q_end, L_b)``."""
     return (jnp.minimum(q_end, hist) + block_k - 1) // block_k
@@ -52,6 +63,7 @@ def _hstu_kernel(
     *,
     alpha: float,
     block_k: int,
+    precision: jax.lax.Precision,
 ) -> None:
     """Grid step (b, h, qi): query rows ``[q0, q0 + block_q)`` against history keys ``j < min(i, L_b)``
     (key blocks past ``min(q0 + block_q, L_b)`` are never touched), plus each row's own key."""
@@ -74,13 +86,15 @@ def _hstu_kernel(
             k0 = pl.multiple_of(kb * block_k, block_k)
             cols = k0 + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
             s = alpha * jax.lax.dot_general(
-                q, k_ref[pl.ds(k0, block_k), :], dims, preferred_element_type=jnp.float32
+                q, k_ref[pl.ds(k0, block_k), :], dims, precision=precision, preferred_element_type=jnp.float32
             )
             # where, not a product: padded keys may hold anything (NaN included)
             p = jnp.where((cols < hist) & (cols < rows), jax.nn.silu(s), 0.0)
             key_ok = k0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < hist
             v = jnp.where(key_ok, v_ref[pl.ds(k0, block_k), :], 0)
-            return acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(
+                p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
+            )
 
         # j < prefix and j < i, with j < L_b <= prefix: only the key blocks below min(q0 + block_q, L_b)
         num_kb = _num_key_blocks(q0 + block_q, hist, block_k)
@@ -159,7 +173,7 @@ def hstu_attention_pallas(
         out_specs=q_spec,
     )
     out = pl.pallas_call(
-        functools.partial(_hstu_kernel, alpha=float(alpha), block_k=bk),
+        functools.partial(_hstu_kernel, alpha=float(alpha), block_k=bk, precision=_kernel_precision(q.dtype)),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
