@@ -1,7 +1,8 @@
 """DLRMv3 serving speed: ms/batch and users/s of eager `model.eval()`, the GPU-path artifact (an
 AOTInductor `.pt2`) and the TPU-path artifact (`jax.export`), scoring whole sequences and with the
-cached-history swap (`recir-dlrmv3 export --serving cached-history`), at several batch sizes; ratios
-against eager full-sequence scoring measured in the same run.
+cached-history swap (`recir-dlrmv3 export --serving cached-history`: the serving graph split by
+`recir.transforms.cached_history`), at several batch sizes; ratios against eager full-sequence scoring
+measured in the same run. Eager cached history: the hand-written `HistoryEncoder` / `CandidateScorer`.
 
 Not a test. Every user carries `--candidates` candidates (64). Cached-history rows are timed twice: a
 user's first request (history encoded, then candidates scored) and a repeat request (the history cache
@@ -58,23 +59,22 @@ def _first_output(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _time_cached(
-    hist_fn: Callable[..., Any],
-    cand_fn: Callable[..., Any],
-    h_in: list[Any],
-    c_ids: Any,
+    hist_fn: Callable[[], Any],
+    cand_fn: Callable[[Any], Any],
     sync: Callable[[Any], Any],
     time_it: Callable[[Callable[[], Any]], float],
     delta: Callable[[Any], float],
 ) -> tuple[float, float, float]:
     """(ms of a first request: history then candidates, ms of a repeat: candidates against the kept
-    cache, max |logit delta|) of one stack's two artifacts."""
+    cache, max |logit delta|) of one stack's two artifacts: `hist_fn()` -> the cache, `cand_fn(cache)`
+    -> logits, on the request batch each closes over."""
     import jax
 
     with jax.enable_x64(True):
-        cache = hist_fn(*h_in)
-        got = delta(cand_fn(*cache, c_ids))
-        first = time_it(lambda: sync(cand_fn(*hist_fn(*h_in), c_ids)))
-        repeat = time_it(lambda: sync(cand_fn(*cache, c_ids)))
+        cache = hist_fn()
+        got = delta(cand_fn(cache))
+        first = time_it(lambda: sync(cand_fn(hist_fn())))
+        repeat = time_it(lambda: sync(cand_fn(cache)))
     return first, repeat, got
 
 
@@ -168,26 +168,29 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
         rows.append(("eager, cached history: candidates only", time_it(lambda: score(*cache, cand_ids)), got))
     for target, precision in [(t, p) for t in args.paths for p in ("fp32", "bf16")[: 1 + args.bf16]]:
         out = work / f"cached.{B}.{target}.{precision}"
+        model.train()  # the graphs come from the captured training step (recir.transforms.cached_history)
         manifest = export_cached_history(
-            model, target, out, batch_size=B, num_candidates=args.candidates, precision=precision
+            model, optimizers, batch, target, out, max_seq_len=serving_max_len(model), precision=precision
         )
+        model.eval()
         files = [work / manifest["entries"][n]["file"] for n in ("history", "candidates")]
         name = {"gpu": "GPU path .pt2", "tpu": "TPU path jax.export"}[target] + (
             " bf16" if precision == "bf16" else ""
         )
         if target == "gpu":
-            hist_fn, cand_fn = (torch._inductor.aoti_load_package(str(f)) for f in files)
-            h_in: list[Any] = list(history.tensors())
-            c_ids: Any = cand_ids
+            hist_pkg, cand_pkg = (torch._inductor.aoti_load_package(str(f)) for f in files)
+            hist_fn: Callable[[], Any] = lambda: hist_pkg(*flat)  # noqa: B023, E731
+            cand_fn: Callable[[Any], Any] = lambda cache: cand_pkg(*flat, *cache)[0]  # noqa: B023, E731
             sync: Callable[[Any], Any] = lambda x: x  # noqa: E731
         else:
             hist_exp, cand_exp = (jax_export.deserialize(bytearray(f.read_bytes())) for f in files)
-            hist_fn, cand_fn = hist_exp.call, _first_output(cand_exp.call)
+            dtypes = [b["dtype"] for b in manifest["entries"]["history"]["inputs"]]
             with jax.enable_x64(True):  # int64 ids
-                h_in = [jax.numpy.asarray(t.numpy()) for t in history.tensors()]
-                c_ids = jax.numpy.asarray(cand_ids.numpy())
+                jflat = [jax.numpy.asarray(np.asarray(t).astype(d)) for t, d in zip(flat, dtypes)]
+            hist_fn = lambda: hist_exp.call(jflat)  # noqa: B023, E731
+            cand_fn = lambda cache: cand_exp.call([*jflat, *cache])[0]  # noqa: B023, E731
             sync = jax.block_until_ready
-        first, repeat, got = _time_cached(hist_fn, cand_fn, h_in, c_ids, sync, time_it, delta)
+        first, repeat, got = _time_cached(hist_fn, cand_fn, sync, time_it, delta)
         rows.append((f"{name}, cached history: history + candidates", first, got))
         rows.append((f"{name}, cached history: candidates only", repeat, got))
     return rows

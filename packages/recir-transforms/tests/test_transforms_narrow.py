@@ -99,3 +99,36 @@ def test_narrow_ignores_strided_and_whole_slices_and_inputs_needed_both_ways():
     assert step.format_graph() == before
     _, got = step(state, batch)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _two_pieces(state, batch):
+    """A history piece and a candidate piece concatenated along the tokens, one projection over both,
+    and readers of each piece's rows apart (as a cached-history split leaves a layer)."""
+    (w,) = state
+    a, b = batch
+    x = torch.cat([a, b], dim=1)  # [B, T, D]
+    h = F.silu((F.layer_norm(x, (D,)).reshape(B * T, D) @ w).view(B, T, D))
+    return list(state), [h[:, : T - C] * 2.0, h[:, T - C :].sum(dim=-1)]
+
+
+def test_narrow_split_computes_disjoint_row_ranges_apart_through_a_concatenation():
+    g = torch.Generator().manual_seed(1)
+    state = {"param:w": ("param", torch.randn(D, D, generator=g))}
+    pieces = {
+        "a": ("dense", torch.randn(B, T - C, D, generator=g)),
+        "b": ("dense", torch.randn(B, C, D, generator=g)),
+    }
+    step, st, batch = trace_step(_two_pieces, state, pieces, ["history", "candidates"])
+    _, expected = step(st, batch)
+    plain = step.copy()
+    # without split the product is read as two ranges: it stays whole (the concatenation too)
+    assert Narrow().run(plain).stats.get("split", 0) == 0
+    assert _rows(plain, _aten.mm.default) == [(B * T, D)]
+    result = Narrow(split=True).run(step)
+    verify(result.step)
+    assert result.stats["split"] > 0
+    assert sorted(_rows(step, _aten.mm.default)) == sorted([(B * (T - C), D), (B * C, D)])
+    assert not _rows(step, _aten.cat.default)  # each piece's rows straight from its own input
+    _, got = step(st, batch)
+    for g_, e in zip(got, expected):
+        torch.testing.assert_close(g_, e, rtol=1e-6, atol=1e-6)

@@ -60,6 +60,7 @@ _EXPORTS = {
     "serving_max_len": "_serving",
     "split_batch": "_serving",
     "export_cached_history": "_serving_export",
+    "cached_history_graphs": "_serving_export",
     "load_cached_history": "_serving_export",
     # checkpoints
     "save_checkpoint": "_checkpoint",
@@ -105,6 +106,7 @@ if TYPE_CHECKING:
     from ._serving import HistoryInputs as HistoryInputs
     from ._serving import serving_max_len as serving_max_len
     from ._serving import split_batch as split_batch
+    from ._serving_export import cached_history_graphs as cached_history_graphs
     from ._serving_export import export_cached_history as export_cached_history
     from ._serving_export import load_cached_history as load_cached_history
     from ._synthetic import SyntheticDataset as SyntheticDataset

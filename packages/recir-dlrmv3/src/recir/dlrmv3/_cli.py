@@ -361,7 +361,7 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="cached-history: candidates per user in the artifact's shapes (default: the trained "
-        "--num_candidates; the GPU artifact takes any count up to 4096)",
+        "--num_candidates; the shapes are static on both stacks: one export per count)",
     )
     _add_logging(ex)
     pd = sub.add_parser(

@@ -70,11 +70,12 @@ def export_model(
 
     `quantize`: `"int8"` or `"fp16"` embedding tables (None: float32 as trained); `bake`: the parameters
     compiled into the artifact (no `.state.npz`). `serving="cached-history"`: two artifacts instead,
-    `out.history` and `out.candidates` (`_serving_export`), the parameters baked, each user scored
-    against `candidates` candidates (default: the trained `--num_candidates`; any count on the GPU stack).
-    `precision="bf16"`: the serving graph's matrix products on bf16 copies of their fp32 operands, results
-    back in fp32 (`recir-mixed-precision`, forward phase; on cached-history artifacts the same casts,
-    `_serving_export.bf16_products`); parameters stay fp32. `quantize_kernel="fbgemm"`: the quantised
+    `out.history` and `out.candidates` (`_serving_export`: the serving graph split by
+    `recir.transforms.cached_history`), the parameters baked, each user scored against `candidates`
+    candidates (default: the trained `--num_candidates`; static, one export per count), `quantize` and
+    `precision` applied to both graphs. `precision="bf16"`: the serving graph's matrix products on bf16
+    copies of their fp32 operands, results back in fp32 (`recir-mixed-precision`, forward phase);
+    parameters stay fp32. `quantize_kernel="fbgemm"`: the quantised
     tables in FBGEMM's inference-TBE rows, read by FBGEMM's kernel in the GPU stack's package (which then
     needs `fbgemm_gpu` to load) and by the same rows' ATen reference on the TPU stack."""
     from recir.capture import capture_train_step, load_into
@@ -103,28 +104,37 @@ def export_model(
         raise ConfigError(f"--serving must be full or cached-history, got {serving!r}")
     if precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision must be fp32 or bf16 for export, got {precision!r}")
-    if serving == "cached-history" and quantize is not None:
-        raise ConfigError(
-            "--serving cached-history reads float32 tables; --quantize applies to --serving full only. "
-            "Fix: drop --quantize, or export --serving full"
-        )
     state, meta = load_checkpoint(checkpoint)
-    opts = _options(meta.get("options", {}), target=target)
+    recorded = _options(meta.get("options", {}), target=target)
+    if serving == "cached-history":
+        # the shapes served: the trained batch size, `candidates` per user (the parameters do not depend
+        # on the candidate count); the normaliser stays the trained one (serving_max_len)
+        count = recorded.num_candidates if candidates is None else candidates
+        if count < 1:
+            raise ConfigError(
+                f"--candidates must be at least 1 (candidates scored per user), got {count}. Fix: pass --candidates N, N >= 1"
+            )
+        opts = dataclasses.replace(recorded, num_candidates=count)
+    else:
+        opts = recorded
     model, data, optimizers = build(opts)
     load_into(model, (), state)
     if serving == "cached-history":
         from ._serving_export import export_cached_history
 
-        model.eval()
         info = {"target": target, "checkpoint": str(checkpoint), "step": meta.get("step"),
-                "options": dataclasses.asdict(opts)}  # fmt: skip
-        count = opts.num_candidates if candidates is None else candidates
+                "options": dataclasses.asdict(recorded)}  # fmt: skip
+        max_len = len(data.spec.contextual) + recorded.uih_len + recorded.num_candidates
+        log(f"export: {checkpoint} (step {meta.get('step')}) as cached-history serving, {count} candidate(s)")
         manifest = export_cached_history(
-            model, target, out, batch_size=opts.batch_size, num_candidates=count, precision=precision,
-            extra={"dlrmv3": info},
+            model, optimizers, data.train_batch(0), target, out, max_seq_len=max_len, quantize=quantize,
+            precision=precision, quantize_kernel=quantize_kernel, extra={"dlrmv3": info},
         )  # fmt: skip
+        g = manifest["graphs"]
         log(
-            f"export: wrote {out}.history, {out}.candidates (cached-history serving) and {Path(out).name}.json"
+            f"export: {g['layers']} attention op(s) split into history and candidates ({g['history_nodes']} and "
+            f"{g['candidate_nodes']} nodes against the serving graph's {g['serving_nodes']}); wrote {out}.history, "
+            f"{out}.candidates and {Path(out).name}.json"
         )
         return manifest
     model.train()
@@ -251,23 +261,22 @@ def predict(
 def _cached_runner(artifact: str, model: Any, manifest: dict[str, Any]) -> Callable[[Any], torch.Tensor]:
     """A batch -> logits through the two cached-history artifacts (history, then candidates), with the
     normaliser pinned as exported (so logits equal eager ones on batches given that normaliser)."""
-    from ._serving import split_batch
     from ._serving_export import load_cached_history
 
     history_fn, candidates_fn = load_cached_history(artifact)
-    users, count = manifest["entries"]["candidates"]["inputs"][-1]["shape"]
+    users, count = manifest["users"], manifest["candidates"]
 
     def run(batch: Any) -> torch.Tensor:
-        history, cand_ids = split_batch(model, batch, manifest["max_seq_len"])
-        got_users, got_count = cand_ids.shape
-        if got_users != users or (manifest["target"] == "tpu" and got_count != count):
-            fixed = "users" if manifest["target"] == "gpu" else "users x candidates"
+        got_users, got_count = batch.cand_actions.shape
+        if (got_users, got_count) != (users, count):
             raise DataError(
-                f"{artifact}: exported for {users} users x {count} candidates per batch ({fixed} fixed), "
+                f"{artifact}: exported for {users} users x {count} candidates per batch (static shapes), "
                 f"but the eval batches are {got_users} x {got_count}. Fix: export with the batch size of the "
-                "data" + ("" if manifest["target"] == "gpu" else f" and --candidates {got_count}")
+                f"data and --candidates {got_count}"
             )
-        logits: torch.Tensor = candidates_fn(*history_fn(*history.tensors()), cand_ids)
+        batch.max_seq_len = torch.full_like(batch.max_seq_len, manifest["max_seq_len"])
+        leaves = pytree.tree_leaves(batch)
+        logits: torch.Tensor = candidates_fn(*leaves, *history_fn(*leaves))
         return logits
 
     return run

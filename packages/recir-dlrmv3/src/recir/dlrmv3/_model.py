@@ -105,6 +105,12 @@ class DLRMv3(nn.Module):
             "task_weights", torch.tensor([t.weight for t in spec.tasks], dtype=torch.int64), persistent=False
         )
 
+    #: The last STU layer computes its query side for the candidates' rows alone (the only rows the
+    #: postprocessor reads). False: it runs the whole sequence like the others, every layer's attention
+    #: then one op over the whole sequence, as `recir.transforms.cached_history` splits it (its
+    #: `recir-cleanup-narrow` then trims the last layer's history rows itself).
+    candidates_only_last_layer = True
+
     def recompute_attention_scores(self, on: bool = True) -> DLRMv3:
         """Each STU layer's attention backward recomputes its scores from q and k instead of keeping the
         `[B, H, rows, keys]` products from the forward (`--recompute attention`): one more product per
@@ -166,7 +172,9 @@ class DLRMv3(nn.Module):
         max_len = batch.max_seq_len.max()  # the global batch's longest sequence (see Batch)
         # Only the candidates' rows of the last layer's output are read (the postprocessor below), so the
         # last layer computes its query side for those rows alone (STULayer.forward_candidates).
-        *layers, last = self.layers if len(self.layers) else (None,)
+        *layers, last = (
+            self.layers if len(self.layers) and self.candidates_only_last_layer else (*self.layers, None)
+        )
         if batch.packed:  # per-token work on the batch's token rows only (Batch.token_index)
             index, N = batch.token_index, x.shape[1]
             packed = (index, (B, N))

@@ -11,7 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from recir.transforms import register_override_op
+from recir.transforms import narrow_through_indices, register_override_op
 from torch import Tensor
 
 from ._checks import check_ids, check_lengths
@@ -53,6 +53,7 @@ def _embedding_backward(ctx, grad):
 
 embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)
 register_override_op("recir::embedding", EMBEDDING_OVERRIDE)
+narrow_through_indices(torch.ops.recir.embedding.default)  # a serving head's rows: their ids only
 
 
 @torch.library.custom_op("recir::check_jagged", mutates_args=())

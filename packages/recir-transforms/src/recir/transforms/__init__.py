@@ -4,6 +4,11 @@ from ._batch_adapters import BatchAdapter as BatchAdapter
 from ._batch_adapters import adapt_batch as adapt_batch
 from ._batch_adapters import register_batch_adapter as register_batch_adapter
 from ._batch_adapters import registered_batch_adapters as registered_batch_adapters
+from ._cached_history import CACHED_HISTORY_KEY as CACHED_HISTORY_KEY
+from ._cached_history import CachedHistory as CachedHistory
+from ._cached_history import SplitCandidateAttention as SplitCandidateAttention
+from ._cached_history import cached_history as cached_history
+from ._cached_history import candidate_attention as candidate_attention
 from ._compiled import CompiledStep as CompiledStep
 from ._errors import (
     CaptureError as CaptureError,
@@ -198,6 +203,7 @@ from ._transforms import PipelineSparse as PipelineSparse
 from ._transforms import Recompute as Recompute
 from ._transforms import SparsePipelineInfo as SparsePipelineInfo
 from ._transforms import transient_peak_bytes as transient_peak_bytes
+from ._transforms.narrow import narrow_through_indices as narrow_through_indices
 from ._verify import INVARIANTS as INVARIANTS
 from ._verify import register_graph_namespace as register_graph_namespace
 from ._verify import verify as verify
@@ -265,6 +271,11 @@ __all__ = [
     "RNG_MASK_KEY",
     "DROPOUT_KEY",
     "to_inference",
+    "cached_history",
+    "CACHED_HISTORY_KEY",
+    "CachedHistory",
+    "SplitCandidateAttention",
+    "candidate_attention",
     "INFERENCE_KEY",
     # transforms
     "Transform",
@@ -305,6 +316,7 @@ __all__ = [
     "InlineReferences",
     "MixedPrecision",
     "Narrow",
+    "narrow_through_indices",
     "Recompute",
     "RECOMPUTE_KEY",
     "transient_peak_bytes",

@@ -41,6 +41,15 @@ aten = torch.ops.aten
 _UNARY = {aten._to_copy.default, aten.alias.default, aten.clone.default, aten.contiguous.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
+# Ops `(weight, indices, ...) -> rows` whose output row i is `weight`'s row named by index i (lookups):
+# narrowed through their indices. `narrow_through_indices` adds one (recir-embedding's lookup op).
+_GATHERS: set[Any] = {aten.embedding.default}
+
+
+def narrow_through_indices(op: Any) -> None:
+    """Let ``recir-cleanup-narrow`` narrow ``op`` (an OpOverload ``(weight, indices, ...) -> rows``, e.g.
+    an embedding lookup whose output leads with the indices' shape) by narrowing its indices."""
+    _GATHERS.add(op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,9 +226,16 @@ def _op_rule(node: fx.Node, nar: Narrowing) -> Rule | None:
         return _same_args(node, [(args[0], need), (side, nar), (other, None)])
     if target is aten.cat.default:
         dim = _pos(args[1] if len(args) > 1 else 0, len(out))
-        if dim == nar.dim or any(_shape(t) is None or len(_shape(t) or ()) != len(out) for t in args[0]):
+        if any(_shape(t) is None or len(_shape(t) or ()) != len(out) for t in args[0]):
             return None
+        if dim == nar.dim:
+            return _cat_pieces(node, args[0], dim, nar)
         return _same_args(node, [(t, nar) for t in args[0]])
+    if target in _GATHERS:  # (weight, indices, ...): output row i is the row named by index i
+        indices = _shape(args[1])
+        if indices is None or nar.dim >= len(indices):
+            return None
+        return _same_args(node, [(args[0], None), (args[1], nar)])
     if target in (aten.split_with_sizes.default, aten.split.Tensor):
         dim = _pos(args[2] if len(args) > 2 else 0, len(out))
         return None if dim == nar.dim else _same_args(node, [(args[0], nar)])
@@ -242,6 +258,28 @@ def _op_rule(node: fx.Node, nar: Narrowing) -> Rule | None:
             return None
         return _same_args(node, [(args[0], dataclasses.replace(nar, dim=ax))])
     return None
+
+
+def _cat_pieces(node: fx.Node, pieces: Sequence[fx.Node], dim: int, nar: Narrowing) -> Rule | None:
+    """A concatenation narrowed along its own axis: the pieces the rows cover (each narrowed where the
+    rows cut it), concatenated again, or the one piece they fall in."""
+    if nar.lead != 1:
+        return None
+    needs: list[tuple[fx.Node, Narrowing | None]] = []
+    offset = 0
+    for t in pieces:
+        size = (_shape(t) or ())[dim]
+        lo, hi = max(nar.start, offset), min(nar.stop, offset + size)
+        if lo < hi:
+            whole = lo == offset and hi == offset + size
+            needs.append((t, None if whole else Narrowing(dim, lo - offset, hi - offset)))
+        offset += size
+    if not needs or len({t for t, _ in needs}) != len(needs):
+        return None
+    if len(needs) == 1:
+        ((piece, need),) = needs
+        return needs, lambda get: get(piece, need)  # type: ignore[return-value]
+    return needs, lambda get: (([get(t, need) for t, need in needs], dim), {})
 
 
 def _slice_start(args: Sequence[Any], shape: tuple[int, ...] | None) -> int | None:
@@ -298,62 +336,86 @@ class Narrow(Transform):
     name = "recir-cleanup-narrow"
     summary = "compute only the rows of a value that a slice keeps (e.g. a serving head's candidate rows)"
 
+    def __init__(self, split: bool = False) -> None:
+        #: A value whose readers want disjoint row ranges of it (a history's rows and the candidates'):
+        #: computed as one value per range (split), instead of whole.
+        self.split = split
+
     def run(self, step: StepGraph) -> TransformResult:
         graph = step.graph
         nodes = list(graph.nodes)
-        request: dict[fx.Node, Narrowing | None] = {}
-        rules: dict[fx.Node, Rule | None] = {}
-        for node in reversed(nodes):  # users first: what each node's readers need of it
+        # what each node's readers need of it: the row ranges to compute it as (() = whole)
+        request: dict[fx.Node, tuple[Narrowing, ...]] = {}
+        rules: dict[tuple[fx.Node, Narrowing], Rule | None] = {}
+        for node in reversed(nodes):  # users first
             asks: set[Narrowing | None] = set()
             for user in node.users:
-                asks.add(self._need(user, node, request.get(user), rules))
-            request[node] = next(iter(asks)) if len(asks) == 1 and node.op == "call_function" else None
+                if user.op == "call_function" and not user.users:
+                    continue  # dead (an unread getitem of a norm's statistics): asks for nothing
+                for nar in request.get(user) or (None,):
+                    asks.add(self._need(user, node, nar, rules))
+            request[node] = self._choose(asks) if node.op == "call_function" else ()
 
-        narrowed: dict[fx.Node, fx.Node] = {}
+        narrowed: dict[tuple[fx.Node, Narrowing], fx.Node] = {}
         slices: dict[tuple[fx.Node, Narrowing], fx.Node] = {}
         reader: list[fx.Node] = []  # the node being narrowed: a slice it reads takes its metadata
 
         def get(node: fx.Node, nar: Narrowing | None) -> fx.Node:
             if nar is None:
                 return node
-            if request.get(node) == nar and node in narrowed:
-                return narrowed[node]
+            if (node, nar) in narrowed:
+                return narrowed[(node, nar)]
             key = (node, nar)
             if key not in slices:
                 slices[key] = self._materialise(graph, node, nar, reader[-1])
             return slices[key]
 
         for node in nodes:
-            nar = request.get(node)
-            if nar is not None:
-                rule = rules.get(node)
+            for nar in request.get(node, ()):
+                rule = rules.get((node, nar))
                 if rule is None:
                     continue  # read as a slice of the whole value (get)
-                if node.target is operator.getitem:
-                    tup = node.args[0]
-                    if tup not in narrowed or request.get(tup) != nar:  # type: ignore[arg-type]
-                        continue
+                if node.target is operator.getitem and (node.args[0], nar) not in narrowed:
+                    continue
                 reader.append(node)
                 with graph.inserting_before(node):
                     built = rule[1](get)
-                    if isinstance(built, fx.Node):  # a slice of a slice: the input narrowed further
-                        narrowed[node] = built
+                    if isinstance(built, fx.Node):  # a slice of a slice (or of a concatenation): its input
+                        narrowed[(node, nar)] = built
                         continue
-                    narrowed[node] = new = _call(graph, node, node.target, *built)
+                    narrowed[(node, nar)] = new = _call(graph, node, node.target, *built)
                 _check_rows(node, new, nar)
-            elif (seed := _seed(node)) is not None and node.args[0] in narrowed:
+            if not request.get(node) and (seed := _seed(node)) is not None:
                 base: fx.Node = node.args[0]  # type: ignore[assignment]
-                if request.get(base) == seed:  # a slice read whole: its value is the narrowed input
-                    node.replace_all_uses_with(narrowed[base])
+                if (base, seed) in narrowed:  # a slice read whole: its value is the narrowed input
+                    node.replace_all_uses_with(narrowed[(base, seed)])
         if not narrowed:
             return TransformResult(step, changed=False, stats={"narrowed": 0})
         DeadCodeElimination().run(step)
         step.graph_module.recompile()
-        return TransformResult(step, changed=True, stats={"narrowed": len(narrowed), "slices": len(slices)})
+        split = sum(len(r) > 1 for r in request.values())
+        return TransformResult(
+            step, changed=True, stats={"narrowed": len(narrowed), "slices": len(slices), "split": split}
+        )
+
+    def _choose(self, asks: set[Narrowing | None]) -> tuple[Narrowing, ...]:
+        """The row ranges to compute a value as, from what its readers ask: the one range all ask; with
+        ``split``, several disjoint ranges of one axis (each computed apart); else whole."""
+        if None in asks or not asks:
+            return ()
+        if len(asks) == 1:
+            return (next(iter(asks)),)  # type: ignore[arg-type]
+        ranges = sorted(asks, key=lambda n: (n.dim, n.lead, n.start))  # type: ignore[union-attr]
+        same_axis = len({(n.dim, n.lead) for n in ranges}) == 1  # type: ignore[union-attr]
+        disjoint = all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))  # type: ignore[union-attr]
+        return tuple(ranges) if self.split and same_axis and disjoint else ()  # type: ignore[arg-type]
 
     @staticmethod
     def _need(
-        user: fx.Node, node: fx.Node, nar: Narrowing | None, rules: dict[fx.Node, Rule | None]
+        user: fx.Node,
+        node: fx.Node,
+        nar: Narrowing | None,
+        rules: dict[tuple[fx.Node, Narrowing], Rule | None],
     ) -> Narrowing | None:
         """What ``user`` (whose own output is narrowed by ``nar``, or read whole) needs of ``node``."""
         if user.op != "call_function":
@@ -361,9 +423,9 @@ class Narrow(Transform):
         if nar is None:
             seed = _seed(user)
             return seed if seed is not None and user.args[0] is node else None
-        if user not in rules:
-            rules[user] = _rule(user, nar)
-        rule = rules[user]
+        if (user, nar) not in rules:
+            rules[(user, nar)] = _rule(user, nar)
+        rule = rules[(user, nar)]
         if rule is None:
             return None
         needs = {need for inp, need in rule[0] if inp is node}
@@ -392,7 +454,7 @@ def _call(
     longer contiguous (a slice) becomes a reshape."""
     try:
         val = _fake_run(target, args, kwargs)
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # fake tensors raise either for a view of a non-contiguous value
         if target not in _VIEWS:
             raise
         target = aten.reshape.default
