@@ -168,6 +168,17 @@ def test_exported_history_and_candidate_artifacts_equal_full_sequence_scores(tra
 BF16_LOGIT_BOUND = 1e-2
 
 
+def _artifacts_delta(out, model, data) -> float:
+    """Max |logit delta| of the cached-history artifacts at ``out`` (history, then candidates) against the
+    model scoring the same 64-candidate requests' full sequences."""
+    history_fn, candidates_fn = load_cached_history(out)
+    batch, _, _, real = _requests(model, data, 64)
+    leaves = pytree.tree_leaves(batch)
+    with torch.no_grad():
+        full = model(batch)
+    return _max_delta(full, candidates_fn(*leaves, *history_fn(*leaves)), real)
+
+
 @pytest.mark.parametrize("target", ["tpu", "gpu"], ids=["jax-export", "aot-inductor"])
 def test_bf16_cached_history_artifacts_run_their_products_in_bf16(trained, target, tmp_path):
     ckpt, model, data, _ = trained
@@ -175,12 +186,7 @@ def test_bf16_cached_history_artifacts_run_their_products_in_bf16(trained, targe
     manifest = export_model(str(ckpt), target, str(out), log=lambda _line: None, serving="cached-history",
                             candidates=64, precision="bf16")  # fmt: skip
     assert manifest["precision"] == "bf16"
-    history_fn, candidates_fn = load_cached_history(out)
-    batch, _, _, real = _requests(model, data, 64)
-    leaves = pytree.tree_leaves(batch)
-    with torch.no_grad():
-        full = model(batch)
-    delta = _max_delta(full, candidates_fn(*leaves, *history_fn(*leaves)), real)
+    delta = _artifacts_delta(out, model, data)
     print(f"bf16 cached history {target}: max |logit delta| {delta:.2e}")
     assert 1e-4 < delta <= BF16_LOGIT_BOUND
 
@@ -252,11 +258,6 @@ def test_int8_cached_history_artifacts_read_quantised_tables(trained, tmp_path):
     for name in ("history", "candidates"):  # each graph looks its ids up in the uint8 rows
         entry = json.loads((tmp_path / manifest["entries"][name]["manifest"]).read_text())
         assert "uint8" in {s["dtype"] for s in entry["baked_state"]}, name
-    history_fn, candidates_fn = load_cached_history(out)
-    batch, _, _, real = _requests(model, data, 64)
-    leaves = pytree.tree_leaves(batch)
-    with torch.no_grad():
-        full = model(batch)
-    delta = _max_delta(full, candidates_fn(*leaves, *history_fn(*leaves)), real)
+    delta = _artifacts_delta(out, model, data)
     print(f"int8 cached history: max |logit delta| {delta:.2e}")
     assert 0 < delta <= INT8_LOGIT_BOUND
