@@ -6,8 +6,16 @@
 #   env    versions and devices;
 #   smoke  a 6-step DLRMv3 run through the TPU trainer;
 #   bench  benchmarks/dlrmv3.py, TPU rows (BENCH_ARGS, default every configuration, fp32 and bf16);
-#   tests  the tpu-marked tests in one process (one program at a time can hold the chip).
+#   tests  the tpu-marked tests under TEST_PATHS (default packages) in one process (one program at a time
+#          can hold the chip); TEST_ARGS adds pytest options.
 # Use: OUT=/some/dir bash benchmarks/tpu_session.sh; keep a call under the device's 10 minutes.
+# The wheels, fetched here for that machine's Python 3.11 (see the README's "On a TPU" for the list):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl-tpu fbgemm-gpu-cpu==1.8.0 \
+#     torchrec==1.8.0 torchax==0.0.14.dev20261026 tensordict torchmetrics==1.0.3 lightning-utilities tqdm \
+#     pyre-extensions typing-inspect mypy-extensions pyvers cloudpickle tensorboard tensorboard-data-server \
+#     markdown werkzeug grpcio protobuf absl-py flatbuffers typing-extensions sympy mpmath networkx jinja2 \
+#     markupsafe filelock fsspec   # torch's own needs: the 2026-12-06 run carried them (38 MB in all)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
@@ -58,7 +66,7 @@ fi
 if has tests; then
   el "tests: tpu-marked, on the chip"
   # shellcheck disable=SC2086
-  timeout "${TEST_SECONDS:-300}" "$PY" -m pytest packages -m tpu -q -p no:cacheprovider -rfE ${TEST_ARGS:-} \
+  timeout "${TEST_SECONDS:-300}" "$PY" -m pytest ${TEST_PATHS:-packages} -m tpu -q -p no:cacheprovider -rfE ${TEST_ARGS:-} \
     2>&1 | tee "$OUT/tpu-tests.log" | tail -40
 fi
 el "done"
