@@ -4,11 +4,16 @@ Every parameter, buffer and optimizer-state tensor is compared after 20 steps (a
 Tolerances (rtol=1e-4, atol=1e-5): XLA's CPU float32 kernels fuse and reorder reductions differently
 from ATen's, and without x64 the optimizers' float64 scalars (bias corrections) run in float32; over 20
 steps the drift stays around 1e-6, while a wrong lowering (a missed term, a wrong gradient, a stale
-running statistic) is off by >1e-3 after one step.
+running statistic) is off by >1e-3 after one step. On a TPU the tolerances are 1e-3 / 1e-4: there float32
+division, square roots and transcendentals are not ATen's to the last bit, and Adam divides each gradient by its
+own running RMS, which magnifies that in near-zero gradients (measured on a v5e, 2026-12-06, float32 products at
+``highest``: after 20 steps the Adam and AdamW cases' parameters within 5e-5 of eager's, losses within 1.4e-4
+relative; SGD and Adagrad within the CPU tolerances).
 """
 
 from __future__ import annotations
 
+import jax
 import pytest
 import torch
 from recir.capture import capture_train_step, testing
@@ -17,7 +22,7 @@ from recir.lower_tpu import LoweringError, TPUOptions, compile
 
 pytestmark = pytest.mark.tpu
 
-RTOL, ATOL = 1e-4, 1e-5
+RTOL, ATOL = (1e-3, 1e-4) if jax.default_backend() == "tpu" else (1e-4, 1e-5)
 STEPS = 20
 OPTIMIZERS = ("sgd_momentum_wd", "adam", "adamw_amsgrad", "adagrad")
 CASES = [(model, opt) for model in testing.REFERENCE_CASES for opt in OPTIMIZERS] + [
