@@ -5,7 +5,8 @@
 # (the README's "On a TPU" names them). Stages (STAGES, default "env smoke bench tests"), logs under $OUT:
 #   env    versions and devices;
 #   smoke  a 6-step DLRMv3 run through the TPU trainer;
-#   bench  benchmarks/dlrmv3.py, TPU rows (BENCH_ARGS, default every configuration, fp32 and bf16);
+#   bench  benchmarks/dlrmv3.py, TPU rows (BENCH_ARGS, default UIH 64 and 256, fp32 and bf16, one token budget:
+#          a full-size row's cold compile took 109 s on a v5e, so ROW_SECONDS defaults to 300);
 #   tests  the tpu-marked tests under TEST_PATHS (default packages) in one process (one program at a time
 #          can hold the chip); TEST_ARGS adds pytest options.
 # Use: OUT=/some/dir bash benchmarks/tpu_session.sh; keep a call under the device's 10 minutes.
@@ -58,10 +59,10 @@ if has smoke; then
     --embedding_backend in_graph --log_every 1 2>&1 | tee "$OUT/smoke.log" | tail -15
 fi
 if has bench; then
-  el "bench: benchmarks/dlrmv3.py ${BENCH_ARGS:-}"
+  el "bench: benchmarks/dlrmv3.py ${BENCH_ARGS:---configs 64,256 --token_buckets 1}"
   # shellcheck disable=SC2086
-  timeout "${BENCH_SECONDS:-420}" "$PY" benchmarks/dlrmv3.py --targets tpu --timeout "${ROW_SECONDS:-150}" \
-    ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -30
+  timeout "${BENCH_SECONDS:-540}" "$PY" benchmarks/dlrmv3.py --targets tpu --timeout "${ROW_SECONDS:-300}" \
+    ${BENCH_ARGS:---configs 64,256 --token_buckets 1} 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -30
 fi
 if has tests; then
   el "tests: tpu-marked, on the chip"
