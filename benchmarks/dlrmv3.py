@@ -143,6 +143,8 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         "samples_s": batch / (statistics.median(rounds) / 1000),
         "peak_rss_gib": peak_kib / 2**20,
         "compile_s": trainer.compile_seconds or first,
+        # the TPU path's trace to StableHLO within it (the first budget's), nan elsewhere
+        "trace_s": getattr(getattr(trainer, "compiled", None), "trace_seconds", math.nan),
         # every token budget's step (--token_buckets): the first's plus each later budget's first batch
         "compile_all_s": (trainer.compile_seconds or first) + sum(getattr(trainer, "compiles_seconds", [])),
         "torch": torch.__version__,
@@ -284,6 +286,12 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
+        import logging
+
+        # the row's progress (capture, the lowering's trace and compile seconds) on stderr, which the parent
+        # prints when the row fails or runs over --timeout
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("jax").setLevel(logging.WARNING)  # its cache's per-entry lines
         print("RESULT " + json.dumps(_one(args)), flush=True)
         return
 
@@ -332,8 +340,15 @@ def main() -> None:
                         text=True,
                         timeout=args.timeout or None,
                     )
-                except subprocess.TimeoutExpired:
+                except subprocess.TimeoutExpired as e:
                     print(f"{row}  failed: over --timeout {args.timeout} s", flush=True)
+                    # where it got to: the row's log (capture, trace, XLA compile) on stderr
+                    err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+                    print(
+                        f"--- {' '.join(row.split())}: stderr so far\n{err[-20000:]}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
                 lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
                 if run.returncode != 0 or not lines:

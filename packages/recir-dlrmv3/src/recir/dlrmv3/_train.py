@@ -39,6 +39,17 @@ class TrainResult:
     start_step: int = 0
 
 
+def _compile_parts(trainer: Any) -> str:
+    """Where the TPU path's first-step seconds went: capture (and the lowering's pipeline), torchax's trace to
+    StableHLO, then XLA; empty for a lowering that does not report its trace."""
+    trace = getattr(getattr(trainer, "compiled", None), "trace_seconds", None)
+    capture = getattr(trainer, "capture_seconds", None)
+    if trace is None or capture is None:
+        return ""
+    xla = trainer.compile_seconds - capture - trace
+    return f"; capture {capture:.2f}s, trace {trace:.2f}s, XLA {xla:.2f}s"
+
+
 def resolve_compile_regions(opts: TrainOptions) -> str:
     """--compile_regions as the GPU path compiles it: `auto` is `repeated` for a single-process step of at
     least REGIONS_FROM_LAYERS STU layers on the CPU device (no CUDA device here), without CUDA graphs,
@@ -300,7 +311,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         if step == start:
             result.compile_seconds = trainer.compile_seconds
             regions = f", --compile_regions {resolve_compile_regions(opts)}" if opts.target == "gpu" else ""
-            log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description}{regions})")
+            log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description}{regions})"
+                + _compile_parts(trainer))  # fmt: skip
             if writer is not None:
                 writer.add_scalar("perf/compile_seconds", trainer.compile_seconds, step + 1)
             window_t, window_n = time.perf_counter(), 0

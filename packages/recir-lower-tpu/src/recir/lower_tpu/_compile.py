@@ -151,6 +151,7 @@ class TPUCompiledStep:
             logger.info("recir.lower_tpu: x64 on for this step (it has 64-bit integer maths: rng slots)")
         self._compiled: Any = None
         self._compile_seconds = 0.0
+        self._trace_seconds = 0.0
         self._cache_hit: bool | None = None
         with self._x64():
             out_dtypes = [jax_dtype(s.dtype) for s in sig.state] + [jax_dtype(o.dtype) for o in sig.outputs]
@@ -180,6 +181,12 @@ class TPUCompiledStep:
     def compile_seconds(self) -> float:
         """Seconds the first call spent tracing, lowering and compiling (0.0 before it)."""
         return self._compile_seconds
+
+    @property
+    def trace_seconds(self) -> float:
+        """Of ``compile_seconds``, those torchax spent tracing the graph to StableHLO (``jit(...).lower``); the
+        rest is XLA's compile (or the persistent cache's load). 0.0 before the first call."""
+        return self._trace_seconds
 
     @property
     def cache_hit(self) -> bool | None:
@@ -332,13 +339,19 @@ class TPUCompiledStep:
         multi_cpu = jax.default_backend() == "cpu" and jax.process_count() > 1
         cache = compile_cache(opts.cache_dir, enabled=opts.persistent_cache and not multi_cpu)
         with cache:  # JAX's cache options set for this compile only, then put back
-            self._compiled = self._jitted.lower(state, batch).compile()
+            traced = time.perf_counter()
+            lowered = self._jitted.lower(state, batch)
+            self._trace_seconds = time.perf_counter() - traced
+            self._compiled = lowered.compile()
+        del lowered
         trim_host_heap()  # tracing's and XLA's temporaries
         self._compile_seconds = time.perf_counter() - start
         self._cache_hit = cache_hits() > hits
         logger.info(
-            "recir.lower_tpu: compiled the step in %.2fs (%s)",
+            "recir.lower_tpu: compiled the step in %.2fs (torchax trace to StableHLO %.2fs, then XLA on %s: %s)",
             self._compile_seconds,
+            self._trace_seconds,
+            jax.default_backend(),
             "persistent cache hit" if self._cache_hit else "compiled afresh",
         )
 

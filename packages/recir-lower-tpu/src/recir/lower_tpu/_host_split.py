@@ -52,6 +52,11 @@ class HostSplitCompiledStep:
         return float(self.device.compile_seconds)
 
     @property
+    def trace_seconds(self) -> float:
+        """Of ``compile_seconds``, the device part's tracing to StableHLO (TPUCompiledStep.trace_seconds)."""
+        return float(self.device.trace_seconds)
+
+    @property
     def placement(self) -> Any:
         return self.device.placement
 
