@@ -28,7 +28,9 @@ def test_dlrmv3_tpu_target_compiles_once_trains_and_resumes(tmp_path):
     assert sum("compiled in" in x for x in lines) == 1
     compiled_line = [x for x in lines if "compiled in" in x][0]
     assert compiled_line.startswith("train step compiled in ")
-    assert re.search(r"; capture \d+\.\d\ds, trace \d+\.\d\ds, XLA -?\d+\.\d\ds$", compiled_line), compiled_line
+    assert re.search(r"; capture \d+\.\d\ds, trace \d+\.\d\ds, XLA -?\d+\.\d\ds$", compiled_line), (
+        compiled_line
+    )
     assert "recir.lower_tpu" in lines[0]
     assert result.compile_seconds > 0 and len(result.losses) == 4
     assert all(math.isfinite(v) for v in result.losses + list(result.metrics.values()))

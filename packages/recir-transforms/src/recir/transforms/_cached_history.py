@@ -217,7 +217,7 @@ def _candidate_graph(step: StepGraph, markers: list[fx.Node], names: tuple[str, 
     out = graph.graph_copy(step.graph, env)
     graph.output(out)
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    slots = []
+    slots: list[BatchSlot] = []
     with graph.inserting_after(last):
         for name, m in reversed(list(zip(names, markers))):  # inserted after `last`: reversed keeps the order
             ph = graph.placeholder(name.replace(".", "_"))

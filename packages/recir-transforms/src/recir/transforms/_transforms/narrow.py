@@ -401,14 +401,15 @@ class Narrow(Transform):
     def _choose(self, asks: set[Narrowing | None]) -> tuple[Narrowing, ...]:
         """The row ranges to compute a value as, from what its readers ask: the one range all ask; with
         ``split``, several disjoint ranges of one axis (each computed apart); else whole."""
-        if None in asks or not asks:
+        wanted = [n for n in asks if n is not None]
+        if len(wanted) != len(asks) or not wanted:  # a reader wants the value whole
             return ()
-        if len(asks) == 1:
-            return (next(iter(asks)),)  # type: ignore[arg-type]
-        ranges = sorted(asks, key=lambda n: (n.dim, n.lead, n.start))  # type: ignore[union-attr]
-        same_axis = len({(n.dim, n.lead) for n in ranges}) == 1  # type: ignore[union-attr]
-        disjoint = all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))  # type: ignore[union-attr]
-        return tuple(ranges) if self.split and same_axis and disjoint else ()  # type: ignore[arg-type]
+        if len(wanted) == 1:
+            return (wanted[0],)
+        ranges = sorted(wanted, key=lambda n: (n.dim, n.lead, n.start))
+        same_axis = len({(n.dim, n.lead) for n in ranges}) == 1
+        disjoint = all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))
+        return tuple(ranges) if self.split and same_axis and disjoint else ()
 
     @staticmethod
     def _need(
