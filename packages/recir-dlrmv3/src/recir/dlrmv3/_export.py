@@ -120,11 +120,12 @@ def export_model(
     model, data, optimizers = build(opts)
     load_into(model, (), state)
     if serving == "cached-history":
+        from ._serving import serving_max_len
         from ._serving_export import export_cached_history
 
         info = {"target": target, "checkpoint": str(checkpoint), "step": meta.get("step"),
                 "options": dataclasses.asdict(recorded)}  # fmt: skip
-        max_len = len(data.spec.contextual) + recorded.uih_len + recorded.num_candidates
+        max_len = serving_max_len(model, num_candidates=recorded.num_candidates)
         log(f"export: {checkpoint} (step {meta.get('step')}) as cached-history serving, {count} candidate(s)")
         manifest = export_cached_history(
             model, optimizers, data.train_batch(0), target, out, max_seq_len=max_len, quantize=quantize,

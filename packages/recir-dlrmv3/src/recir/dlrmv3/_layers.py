@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from recir.transforms import hstu_attention, hstu_attention_reference
+from recir.transforms import candidate_attention, hstu_attention, hstu_attention_reference
 from torch import nn
 
 
@@ -256,9 +256,7 @@ class STULayer(nn.Module):
         values ([B, H, P, A], padded keys zeroed: SiLU(0) = 0) and itself, none against another;
         `scale` the normaliser, 0-d or one per sample [B]. Returns [B, H, C, A]."""
         scale = scale.reshape(-1, 1, 1, 1) if scale.dim() else scale
-        scores = F.silu(self.alpha * (q @ prefix_keys.transpose(-1, -2))) / scale
-        own = F.silu(self.alpha * (q * k).sum(dim=-1, keepdim=True)) / scale
-        return scores @ prefix_values + own * v
+        return candidate_attention(q, k, v, prefix_keys, prefix_values, scale, self.alpha)
 
     def forward_packed(
         self,

@@ -44,10 +44,12 @@ class HistoryInputs:
                 self.max_seq_len)  # fmt: skip
 
 
-def serving_max_len(model: DLRMv3) -> int:
+def serving_max_len(model: DLRMv3, num_candidates: int | None = None) -> int:
     """The normaliser a server pins: the longest sequence the model was configured for (contextual
-    tokens + `uih_len` + `num_candidates`), i.e. the training batches' largest `max_seq_len`."""
-    return len(model.spec.contextual) + model.config.uih_len + model.config.num_candidates
+    tokens + `uih_len` + `num_candidates`), i.e. the training batches' largest `max_seq_len`.
+    `num_candidates`: the count it was trained with, where the model was built for another."""
+    count = model.config.num_candidates if num_candidates is None else num_candidates
+    return len(model.spec.contextual) + model.config.uih_len + count
 
 
 def split_batch(

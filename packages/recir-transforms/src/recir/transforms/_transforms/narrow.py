@@ -336,10 +336,11 @@ class Narrow(Transform):
     name = "recir-cleanup-narrow"
     summary = "compute only the rows of a value that a slice keeps (e.g. a serving head's candidate rows)"
 
-    def __init__(self, split: bool = False) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Options:
         #: A value whose readers want disjoint row ranges of it (a history's rows and the candidates'):
         #: computed as one value per range (split), instead of whole.
-        self.split = split
+        split: bool = False
 
     def run(self, step: StepGraph) -> TransformResult:
         graph = step.graph
@@ -409,7 +410,7 @@ class Narrow(Transform):
         ranges = sorted(wanted, key=lambda n: (n.dim, n.lead, n.start))
         same_axis = len({(n.dim, n.lead) for n in ranges}) == 1
         disjoint = all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))
-        return tuple(ranges) if self.split and same_axis and disjoint else ()
+        return tuple(ranges) if self.options.split and same_axis and disjoint else ()
 
     @staticmethod
     def _need(
