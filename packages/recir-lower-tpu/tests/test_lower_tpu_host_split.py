@@ -17,7 +17,9 @@ from recir.transforms import CompiledStep, ConfigError
 pytestmark = pytest.mark.tpu
 
 STEPS = 20
-TOL = 1e-5
+# Adam's square roots and divisions on a TPU are not PyTorch's on the host: 2.8e-5 apart after 20 steps
+# (measured on a v5e); within 1e-5 on JAX's CPU backend
+TOL = 1e-4 if jax.default_backend() == "tpu" else 1e-5
 
 
 def _captured(opt_name: str):  # type: ignore[no-untyped-def]
@@ -91,3 +93,13 @@ def test_node_seconds_reads_the_device_part(tmp_path) -> None:  # type: ignore[n
         float(outputs[0])
     seconds = node_seconds(host, tmp_path)
     assert set(seconds) & {n.name for n in host.device.step.graph.nodes}, sorted(seconds)[:10]
+
+
+def test_node_seconds_reads_tpu_event_names() -> None:
+    """A TPU trace names each XLA event by its whole instruction (measured on a v5e), a CPU trace by the
+    instruction's name: both map to the name the optimised HLO's metadata is read under."""
+    from recir.lower_tpu._profile import _instruction
+
+    tpu = "%add_divide_fusion.1 = (f32[8]{0:T(128)S(1)}) fusion(f32[]{:T(128)} %copy.43), kind=kLoop"
+    assert _instruction(tpu) == "add_divide_fusion.1"
+    assert _instruction("fusion.3") == "fusion.3"

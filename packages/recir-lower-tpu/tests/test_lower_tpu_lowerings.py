@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 import torch
@@ -280,8 +281,10 @@ def test_lower_tpu_low_precision_matmuls_accumulate_in_fp32():
     assert ((got - want).abs() / want.abs().clamp(min=1.0)).max() < 2**-7
     nan_bias = jnp.full((16,), jnp.nan, jnp.float32)
     assert not np.isnan(np.asarray(aten_addmm(nan_bias, a.numpy(), b.numpy(), beta=0))).any()
-    # fp32 operands: a plain fp32 product
-    torch.testing.assert_close(back(aten_mm(a.numpy(), b.numpy())), a @ b, rtol=1e-4, atol=1e-3)
+    # fp32 operands: a plain fp32 product (at full precision: a TPU's default is one bfloat16 pass)
+    with jax.default_matmul_precision("highest"):
+        fp32 = aten_mm(a.numpy(), b.numpy())
+    torch.testing.assert_close(back(fp32), a @ b, rtol=1e-4, atol=1e-3)
 
 
 def _dot_operand_dtypes(hlo: str) -> list[tuple[str, str]]:

@@ -266,6 +266,7 @@ class TPUCompiledStep:
         path: str | os.PathLike[str],
         extra: Mapping[str, Any] | None = None,
         baked_state: Sequence[torch.Tensor] | None = None,
+        platforms: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Write the step as a serialised ``jax.export`` artifact (StableHLO) to ``path`` and a manifest
         beside it (``path`` + ``.json``: inputs, outputs, shapes, dtypes, versions); returns the manifest.
@@ -277,6 +278,9 @@ class TPUCompiledStep:
         program as constants and ``outputs = exp.call(batch)`` (the manifest's ``state`` is empty,
         ``baked_state`` lists them). Both files are written atomically. Single-device layout: a mesh's
         shardings are not exported. ``extra``: more manifest fields (e.g. the application's options).
+        ``platforms``: the JAX platforms the artifact runs on (``"cpu"``, ``"tpu"``, ``"cuda"``,
+        ``"rocm"``), one lowering each; default the backend exporting it, so an artifact written on a TPU
+        host runs only on TPUs unless ``"cpu"`` is named too. The manifest lists them.
         """
         from jax import export as jax_export
         from recir.distributed import write_atomically
@@ -286,11 +290,12 @@ class TPUCompiledStep:
         sig = self.step.signature
         if baked_state is not None:
             sig.check_state(baked_state, "TPUCompiledStep.export(baked_state=)")
+        targets = _export_platforms(platforms)
         with self._x64():
             state = [jax.ShapeDtypeStruct(s.shape, jax_dtype(s.dtype)) for s in sig.state]
             batch = [jax.ShapeDtypeStruct(b.shape, jax_dtype(b.dtype)) for b in sig.batch]
             if baked_state is None:
-                exported = jax_export.export(jax.jit(self._fn))(state, batch)
+                exported = jax_export.export(jax.jit(self._fn), platforms=targets)(state, batch)
                 out_avals = exported.out_avals[len(sig.state) :]
             else:
                 device = jax.devices()[0]
@@ -300,7 +305,7 @@ class TPUCompiledStep:
                 def serve(batch: list[jax.Array]) -> Any:
                     return fn(constants, batch)[1]  # closed over: StableHLO constants
 
-                exported = jax_export.export(jax.jit(serve))(batch)
+                exported = jax_export.export(jax.jit(serve), platforms=targets)(batch)
                 out_avals = exported.out_avals
 
             def spec(name: str, x: Any) -> dict[str, Any]:
@@ -312,6 +317,7 @@ class TPUCompiledStep:
                 + ("exp.call(batch) -> outputs" if baked_state is not None else "exp.call(state, batch)"),
                 "versions": {"jax": jax.__version__, "torch": torch.__version__},
                 "x64": self.x64,
+                "platforms": list(exported.platforms),
                 "state": [] if baked_state is not None else state_specs,
                 "baked_state": state_specs if baked_state is not None else [],
                 "batch": [spec(b.name, x) for b, x in zip(sig.batch, batch)],
@@ -398,6 +404,24 @@ class TPUCompiledStep:
                     f"state slot {slot.name!r} was donated to an earlier step and no longer exists. "
                     "Fix: continue with the state that step returned (state, outputs = compiled(state, batch))."
                 )
+
+
+_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
+
+
+def _export_platforms(platforms: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``export(platforms=)`` checked: None (the exporting backend) or known JAX platform names."""
+    if platforms is None:
+        return None
+    if isinstance(platforms, str):
+        platforms = (platforms,)
+    bad = [p for p in platforms if p not in _PLATFORMS]
+    if bad or not platforms:
+        raise ConfigError(
+            f"TPUCompiledStep.export(platforms={list(platforms)!r}): unknown JAX platform(s) {bad}. "
+            f"Fix: name one or more of {list(_PLATFORMS)}, or pass None for the backend exporting it."
+        )
+    return tuple(dict.fromkeys(platforms))
 
 
 _INT32 = (-(2**31), 2**31 - 1)
