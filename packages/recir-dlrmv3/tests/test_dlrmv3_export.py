@@ -175,3 +175,11 @@ def test_export_cli_quantize_and_bake_flags(trained, tmp_path, capsys):
     assert "invalid choice: 'int4'" in capsys.readouterr().err
     assert main(["export", *args[:-3], "--quantize_kernel", "fbgemm"]) == 2
     assert "--quantize_kernel fbgemm reads quantised tables. Fix: add --quantize" in capsys.readouterr().err
+    # --platforms: the artifact lowered for each named JAX platform (a TPU's too, on this host), served here
+    assert main(["export", *args[:-3], "--platforms", "tpu,cpu"]) == 0
+    assert json.loads((tmp_path / "model.tpu.json").read_text())["platforms"] == ["tpu", "cpu"]
+    assert main(["predict", "--artifact", str(out), "--num_batches", "1"]) == 0
+    capsys.readouterr()
+    gpu = ["--checkpoint", str(ckpt), "--target", "gpu", "--out", str(tmp_path / "m.pt2")]
+    assert main(["export", *gpu, "--platforms", "cpu"]) == 2
+    assert "name JAX platforms of a jax.export artifact (--target tpu)" in capsys.readouterr().err

@@ -363,6 +363,15 @@ def _parser(train_target: str | None = None) -> argparse.ArgumentParser:
         help="cached-history: candidates per user in the artifact's shapes (default: the trained "
         "--num_candidates; the shapes are static on both stacks: one export per count)",
     )
+    ex.add_argument(
+        "--platforms",
+        type=lambda text: tuple(p for p in text.split(",") if p),
+        default=None,
+        metavar="LIST",
+        help="--target tpu: the JAX platforms to lower the artifact for, comma-separated (cpu, tpu, cuda, "
+        "rocm), e.g. tpu,cpu to serve a model exported on a TPU host from CPUs too (default: the exporting "
+        "backend)",
+    )
     _add_logging(ex)
     pd = sub.add_parser(
         "predict",
@@ -445,6 +454,7 @@ def _run(args: argparse.Namespace) -> int:
                     serving=args.serving,
                     candidates=args.candidates,
                     precision=args.precision,
+                    platforms=args.platforms,
                 )
             elif args.num_batches < 1:
                 print(f"error: --num_batches must be >= 1, got {args.num_batches}", file=sys.stderr)

@@ -17,7 +17,7 @@ import importlib
 import io
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ def export_model(
     candidates: int | None = None,
     precision: str = "fp32",
     quantize_kernel: str = "aten",
+    platforms: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Export the checkpoint at `checkpoint` for `target` (gpu|tpu) to `out`; returns the manifest.
 
@@ -77,7 +78,14 @@ def export_model(
     copies of their fp32 operands, results back in fp32 (`recir-mixed-precision`, forward phase);
     parameters stay fp32. `quantize_kernel="fbgemm"`: the quantised
     tables in FBGEMM's inference-TBE rows, read by FBGEMM's kernel in the GPU stack's package (which then
-    needs `fbgemm_gpu` to load) and by the same rows' ATen reference on the TPU stack."""
+    needs `fbgemm_gpu` to load) and by the same rows' ATen reference on the TPU stack. `platforms`
+    (tpu only): the JAX platforms the artifact is lowered for (default the exporting backend's)."""
+    if platforms and target != "tpu":
+        raise ConfigError(
+            f"export: platforms {list(platforms)} name JAX platforms of a jax.export artifact (--target tpu); "
+            f"--target {target} writes an AOTInductor package for the device it is built on. Fix: drop "
+            "--platforms, or export with --target tpu."
+        )
     from recir.capture import capture_train_step, load_into
     from recir.distributed import write_atomically
     from recir.embedding import QUANT_DTYPES, QUANT_KERNELS, QuantizeTables, overrides
@@ -129,7 +137,7 @@ def export_model(
         log(f"export: {checkpoint} (step {meta.get('step')}) as cached-history serving, {count} candidate(s)")
         manifest = export_cached_history(
             model, optimizers, data.train_batch(0), target, out, max_seq_len=max_len, quantize=quantize,
-            precision=precision, quantize_kernel=quantize_kernel, extra={"dlrmv3": info},
+            precision=precision, quantize_kernel=quantize_kernel, extra={"dlrmv3": info}, platforms=platforms,
         )  # fmt: skip
         g = manifest["graphs"]
         log(
@@ -186,7 +194,7 @@ def export_model(
     else:
         from recir.lower_tpu import compile
 
-        manifest = compile(served).export(out_path, extra=extra, baked_state=baked)
+        manifest = compile(served).export(out_path, extra=extra, baked_state=baked, platforms=platforms)
     wrote = f"{out_path}" + ("" if bake else f", {state_file.name}")
     log(f"export: wrote {wrote} and {out_path.name}.json")
     return manifest

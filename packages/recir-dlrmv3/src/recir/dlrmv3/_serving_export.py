@@ -87,12 +87,14 @@ def export_cached_history(
     precision: str = "fp32",
     quantize_kernel: str = "aten",
     extra: dict[str, Any] | None = None,
+    platforms: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Write `model` (its parameters as trained) as the history and candidate artifacts for `target`
     (gpu|tpu) at `out`.history / `out`.candidates (`.pt2` on gpu), each with its stack's manifest, and
     the cached-history manifest `out`.json; returns the latter. `batch`: an example request (its users
     x candidates are the artifacts' shapes). `max_seq_len`: the attention normaliser a server pins for
-    every request (`serving_max_len`); predict sets the batches' `max_seq_len` to it."""
+    every request (`serving_max_len`); predict sets the batches' `max_seq_len` to it. `platforms`: the
+    TPU stack's JAX platforms (`TPUCompiledStep.export`)."""
     from recir.distributed import write_atomically
     from recir.transforms import CACHED_HISTORY_KEY
 
@@ -116,7 +118,7 @@ def export_cached_history(
         else:
             from recir.lower_tpu import compile
 
-            written = compile(graph).export(path, baked_state=tensors)
+            written = compile(graph).export(path, baked_state=tensors, platforms=platforms)
         entries[name] = {
             "file": path.name,
             "manifest": f"{path.name}.json",
