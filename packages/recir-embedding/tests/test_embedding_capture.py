@@ -22,7 +22,7 @@ def _optimizer(kind, params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _run_parity(helpers, kind, run_step, n_steps=10):
+def _run_parity(helpers, kind, run_step, n_steps=10, rtol=1e-5, atol=1e-6):
     """Train eager TorchRec (KJT batches) and ``run_step`` (JaggedBatch batches) side by side."""
     eager = helpers.make_torchrec_model()
     eager_opt = _optimizer(kind, eager.parameters())
@@ -45,22 +45,29 @@ def _run_parity(helpers, kind, run_step, n_steps=10):
         eager_opt.step()
         state, outputs = call(state, batch)
         got_loss = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
-        torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-5, atol=1e-6, msg=f"loss, step {i}")
+        torch.testing.assert_close(
+            got_loss, loss.detach(), rtol=rtol, atol=atol, msg=_named(f"loss, step {i}")
+        )
         sd = state_dict_of(state)
         for name in TABLES:
             p = params[name]
             torch.testing.assert_close(
-                sd[f"param:{name}"], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{name} {i}"
+                sd[f"param:{name}"], p.detach(), rtol=rtol, atol=atol, msg=_named(f"{name} {i}")
             )
             if kind != "sgd":
                 torch.testing.assert_close(
                     sd[f"optim:{name}:sum"],
                     eager_opt.state[p]["sum"],
-                    rtol=1e-5,
-                    atol=1e-6,
-                    msg=f"{name} sum {i}",
+                    rtol=rtol,
+                    atol=atol,
+                    msg=_named(f"{name} sum {i}"),
                 )
     return step
+
+
+def _named(what):
+    """assert_close's report (the differences) behind what was compared."""
+    return lambda report: f"{what}: {report}"
 
 
 @pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad"])
@@ -94,7 +101,12 @@ def test_captured_torchrec_model_through_lower_tpu(helpers):
         compiled = lower_tpu.compile(prepared)
         return compiled.state_dict, compiled, compiled.init_state(model, opt)
 
-    _run_parity(helpers, "adagrad", tpu, n_steps=4)
+    import jax
+
+    # a TPU's float32 maths (its products at highest precision too) is not the host's to 1e-6: the parity
+    # tests' TPU tolerance (the Adagrad sum of t2 missed 1e-6 at step 0 on a v5e)
+    tol = dict(rtol=1e-4, atol=1e-5) if jax.default_backend() == "tpu" else {}
+    _run_parity(helpers, "adagrad", tpu, n_steps=4, **tol)
 
 
 def test_dense_adam_plus_rowwise_tables_sparsify_only_the_tables(helpers):

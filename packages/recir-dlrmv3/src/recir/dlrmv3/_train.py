@@ -98,6 +98,11 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 def _warn_slow_bf16(opts: TrainOptions) -> None:
     if opts.precision != "bf16" or torch.cuda.is_available() or cpu_has_bf16_units() is not False:
         return
+    if opts.target == "tpu":
+        import jax
+
+        if jax.default_backend() != "cpu":  # the products run on the accelerator, not this CPU
+            return
     LOGGER.warning(
         "--precision bf16 on a CPU without bf16 units (no avx512_bf16 or amx_bf16 flag; torch uses %s): "
         "bf16 matrix products are emulated and run far slower than fp32 here (measured on an AVX2 AMD EPYC: "
