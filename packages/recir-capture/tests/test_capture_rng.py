@@ -65,6 +65,28 @@ def test_capture_rng_dropout_statistics_and_gradient_mask() -> None:
     torch.testing.assert_close(grads[kept], torch.full_like(grads[kept], 1 / (1 - p)))
 
 
+def test_capture_rng_each_random_op_is_one_counter_uniform_node() -> None:
+    """A random op's values are one ``recir::counter_uniform`` node (each lowering computes the hash its
+    own way), equal to its ATen reference; the verifier accepts it (INV-6)."""
+    from recir.capture._rng import counter_uniform_reference
+    from recir.transforms import verify
+
+    model = testing.TransformerBlock(dropout=0.2)
+    case = testing.REFERENCE_CASES["transformer"]
+    step = capture_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), case.loss_fn, case.make_batch(0)
+    )
+    nodes = [n for n in step.graph.nodes if n.target is torch.ops.recir.counter_uniform.default]
+    assert len(nodes) == len(step.meta["recir.random_ops"]) >= 2
+    ranges = sorted((n.args[1], n.args[1] + n.args[2]) for n in nodes)
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:]))  # disjoint counters
+    verify(step)
+    key = torch.tensor(2**33 + 12345)  # the op reads the key's low 32 bits
+    u = torch.ops.recir.counter_uniform.default(key, 2**32 - 3, 1000)
+    assert u.dtype == torch.float32 and u.shape == (1000,)
+    assert torch.equal(u, counter_uniform_reference(key, 2**32 - 3, 1000))
+
+
 def test_capture_rng_absent_without_randomness() -> None:
     model = testing.TransformerBlock(dropout=0.2)
     model.eval()  # dropout off: no random op, no rng slots
@@ -104,11 +126,12 @@ def test_capture_rng_rand_and_randn() -> None:
 def test_capture_rng_bits_match_under_inductor_including_scalar_tails() -> None:
     """Inductor's C++ must give the interpreter's bits, also in the scalar tail of a vectorised loop
     (5003 = 312 x 16 + 11). Why the hash stays in masked int64: a wrapping-int32 version matched
-    in the vector lanes and returned garbage in the tail (signed overflow is undefined in C++)."""
-    from recir.capture._rng import uniform
+    in the vector lanes and returned garbage in the tail (signed overflow is undefined in C++). The GPU
+    path gives Inductor recir::counter_uniform's reference, the maths compiled here."""
+    from recir.capture._rng import counter_uniform_reference
 
     def draw(key: torch.Tensor) -> torch.Tensor:
-        return uniform(key, 2**31 - 1000, (5003,), torch.float32)
+        return counter_uniform_reference(key, 2**31 - 1000, 5003)
 
     key = torch.tensor(2**32 - 7)
     assert torch.equal(torch.compile(draw, fullgraph=True)(key), draw(key))

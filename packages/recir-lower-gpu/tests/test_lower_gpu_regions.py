@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from recir.capture import capture_train_step
 from recir.lower_gpu._regions import RegionSplit, compile_regions
-from recir.transforms import PHASE_KEY, SCOPE_KEY, ConfigError
+from recir.transforms import PHASE_KEY, SCOPE_KEY, ConfigError, InlineReferences
 from torch import nn
 
 
@@ -79,8 +79,13 @@ def _step(layers: int = 3, stack: type[_Stack] = _Stack):
     return model, opt, capture_train_step(model, opt, _loss, _batch(0))
 
 
+def _as_lowered(step):
+    """The graph RegionSplit sees in recir.lower_gpu.compile: random numbers as their ATen reference."""
+    return InlineReferences(ops=("recir::counter_uniform",))(step).step
+
+
 def test_pieces_follow_the_repeated_modules_and_share_code():
-    _, _, step = _step()
+    step = _as_lowered(_step()[2])
     split = RegionSplit(step.graph_module, len(step.signature.state))
     assert split.reason is None
     keys = [p.key for p in split.pieces if p.key is not None]
@@ -107,7 +112,7 @@ def test_pieces_follow_the_repeated_modules_and_share_code():
 def test_a_hoist_that_leaves_the_codes_different_is_undone():
     # block 0's extra nodes (the RNG key, its arange) read nothing of the block, but the product then reads
     # an int64 input where its siblings read a float32 parameter: not their code, so nothing moves
-    _, _, step = _step(stack=_ScaledStack)
+    step = _as_lowered(_step(stack=_ScaledStack)[2])
     split = RegionSplit(step.graph_module, len(step.signature.state))
     assert split.reason is None
     assert split.hoisted == 0
@@ -127,6 +132,7 @@ def test_a_hoist_that_leaves_the_codes_different_is_undone():
 @pytest.mark.parametrize("stack", [_Stack, _ScaledStack], ids=["hoisted", "not-hoisted"])
 def test_pieces_run_as_fx_equal_the_whole_graph_bit_for_bit(stack):
     model, opt, step = _step(stack=stack)
+    step = _as_lowered(step)
     gm, ns = step.graph_module, len(step.signature.state)
     state = step.init_state(model, opt)
 

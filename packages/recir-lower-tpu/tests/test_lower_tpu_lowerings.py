@@ -330,3 +330,28 @@ def test_lower_tpu_bf16_products_with_transposed_operands_stay_bf16_on_xla_cpu(s
     got, want = compiled.state_dict(state), reference.state_dict(ref_state)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize(
+    "key,base,n", [(7, 0, 1), (2**32 - 7, 2**31 - 1000, 5003), (2**40 + 99, 2**32 + 5, 4096)]
+)
+def test_counter_uniform_lowers_to_uint32_bit_for_bit(key, base, n):
+    """recir::counter_uniform (recir-capture's random numbers) in uint32 maths equals its int64
+    reference bit for bit, and no [n]-sized value of the lowering is 64-bit (what a TPU emulates)."""
+    import numpy as np
+    from recir.capture._rng import counter_uniform_reference
+    from recir.lower_tpu._lowerings import recir_counter_uniform
+
+    with jax.enable_x64(True):
+        k = jnp.asarray(key, dtype=jnp.int64)
+        got = np.asarray(jax.jit(recir_counter_uniform, static_argnums=(1, 2))(k, base, n))
+        jaxpr = jax.make_jaxpr(recir_counter_uniform, static_argnums=(1, 2))(k, base, n)
+    want = counter_uniform_reference(torch.tensor(key), base, n).numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    wide = [
+        str(v.aval)
+        for e in jaxpr.eqns
+        for v in e.outvars
+        if v.aval.shape == (n,) and v.aval.dtype.itemsize == 8
+    ]
+    assert not wide, wide

@@ -35,6 +35,10 @@ from ._store import expand_recompute_barriers, register_inductor_lowering, store
 
 log = logging.getLogger("recir.lower_gpu")
 _HSTU_ATTENTION = (torch.ops.recir.hstu_attention.default, torch.ops.recir.hstu_attention_backward.default)
+def _qualname(target: object) -> str | None:
+    return target._schema.name if isinstance(target, torch._ops.OpOverload) else None
+
+
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
@@ -256,6 +260,10 @@ def gpu_pipeline(
 
     use_graphs = options.use_cuda_graphs(device.type)
     transforms: list[Transform] = [DistributeForLowering(plan=plan)]
+    if any(_qualname(n.target) == "recir::counter_uniform" for n in step.graph.nodes):
+        # the counter hash of each random op as its int64 ATen reference, which Inductor fuses into the
+        # kernels that read it (dropout's masks) and which the rewrites below read as they always did
+        transforms.append(InlineReferences(ops=("recir::counter_uniform",)))
     backend = resolve_backend(embedding_backend, "gpu", device)
     fused = _fused_tables(step, backend, device, options, plan)
     embedding = embedding_transforms(

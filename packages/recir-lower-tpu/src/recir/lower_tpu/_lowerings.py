@@ -16,6 +16,28 @@ import jax.numpy as jnp
 from ._registry import register_jax_lowering
 
 
+# -- recir::counter_uniform (recir-capture's random numbers) --------------------------------------
+_M32, _MUL, _GOLDEN = 0xFFFFFFFF, 0x45D9F3B, 0x9E3779B9  # recir.capture._rng's constants
+
+
+def _mix32(x):
+    """recir.capture._rng.mix32 on uint32: its int64 products masked to 32 bits are uint32's wrapping ones."""
+    x = jnp.bitwise_xor(x >> 16, x) * jnp.uint32(_MUL)
+    x = jnp.bitwise_xor(x >> 16, x) * jnp.uint32(_MUL)
+    return jnp.bitwise_xor(x >> 16, x)
+
+
+@register_jax_lowering("recir::counter_uniform")
+def recir_counter_uniform(key, base: int, n: int):
+    """The reference's counter hash in uint32 instead of int64 masked to 32 bits: equal bit for bit (every
+    sum and product is taken mod 2**32 either way), without the 64-bit integer maths a TPU emulates."""
+    k1 = jax.lax.convert_element_type(key & _M32, jnp.uint32)
+    k2 = _mix32(jnp.bitwise_xor(k1, jnp.uint32(_GOLDEN)))
+    ctr = jax.lax.iota(jnp.uint32, n) + jnp.uint32(base & _M32) + k2
+    bits = _mix32(jnp.bitwise_xor(ctr, k1))
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(1.0 / (1 << 24))
+
+
 # -- recir::embedding_bag ------------------------------------------------------------------------
 @register_jax_lowering("recir::embedding_bag")
 def recir_embedding_bag(weight, indices, offsets, per_sample_weights, mode: int):
