@@ -35,6 +35,8 @@ from ._store import expand_recompute_barriers, register_inductor_lowering, store
 
 log = logging.getLogger("recir.lower_gpu")
 _HSTU_ATTENTION = (torch.ops.recir.hstu_attention.default, torch.ops.recir.hstu_attention_backward.default)
+
+
 def _qualname(target: object) -> str | None:
     return target._schema.name if isinstance(target, torch._ops.OpOverload) else None
 

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from ._registry import register_jax_lowering
 
-
 # -- recir::counter_uniform (recir-capture's random numbers) --------------------------------------
 _M32, _MUL, _GOLDEN = 0xFFFFFFFF, 0x45D9F3B, 0x9E3779B9  # recir.capture._rng's constants
 
