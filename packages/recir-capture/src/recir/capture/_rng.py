@@ -5,8 +5,9 @@ op, ``recir::counter_uniform(key, base, n)``, whose reference is int64 ATen math
 overflow), which every backend computes bit-identically: the GPU path inlines it for Inductor to fuse; the
 TPU path lowers it to the same maths in uint32 (wrapping, so equal bit for bit), since a TPU emulates
 int64 in 32-bit pieces (on a v5e a full-size DLRMv3 step with both dropouts off compiled 37 s faster and
-ran 5% faster: the most the hash can cost there; the uint32 lowering itself has not run on a TPU yet). ``rng:offset`` advances by one per
-step; within a step each random op takes its own disjoint counter range.
+ran 5% faster: the most the hash can cost there; the uint32 lowering itself has not run on a TPU yet).
+``rng:offset`` advances by one per step; within a step each random op takes its own disjoint counter
+range.
 
 Per element one bijective mix of ``(counter + k2) ^ k1``, the two 32-bit words derived from the step
 key: distinct counters give distinct values within a step, and both an additive and an XOR offset

@@ -417,8 +417,9 @@ def _export_platforms(platforms: Sequence[str] | None) -> tuple[str, ...] | None
         platforms = (platforms,)
     bad = [p for p in platforms if p not in _PLATFORMS]
     if bad or not platforms:
+        what = f"unknown JAX platform(s) {bad}" if bad else "no platform"
         raise ConfigError(
-            f"TPUCompiledStep.export(platforms={list(platforms)!r}): unknown JAX platform(s) {bad}. "
+            f"TPUCompiledStep.export(platforms={list(platforms)!r}): {what}. "
             f"Fix: name one or more of {list(_PLATFORMS)}, or pass None for the backend exporting it."
         )
     return tuple(dict.fromkeys(platforms))
