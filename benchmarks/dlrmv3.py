@@ -92,11 +92,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
     }
     target = "eager" if args.target == "torch.compile" else "gpu" if args.target in variants else args.target
     options = None
-    if args.target == "tpu+regions":  # each run of identical STU layers traced once, as a lax.scan
-        from recir.lower_tpu import TPUOptions
-
-        target, options = "tpu", TPUOptions(regions="repeated")
-    elif args.target in variants:
+    if args.target in variants:
         from recir.lower_gpu import GPUOptions
 
         options = GPUOptions(**variants[args.target])
@@ -224,7 +220,7 @@ def main() -> None:
     p.add_argument(
         "--targets",
         default="eager,gpu,tpu",
-        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, gpu+whole, tpu, tpu+regions (default %(default)s)",
+        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, gpu+whole, tpu (default %(default)s)",
     )
     p.add_argument(
         "--device",

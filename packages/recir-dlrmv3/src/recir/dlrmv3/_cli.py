@@ -116,9 +116,7 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         help="--target gpu: 'repeated' compiles each STU layer's forward, backward and optimizer code once "
         "and runs it for every layer (recir.lower_gpu.GPUOptions(regions='repeated'): a shorter cold compile); "
         f"'whole' gives Inductor the step as one graph; 'auto' (default): repeated from {REGIONS_FROM_LAYERS} "
-        "layers on the CPU device in one process without --recompute layers|auto, else whole. --target tpu: "
-        "'repeated' traces each run of identical STU layers (forward, backward) once, as a lax.scan "
-        "(recir.lower_tpu.TPUOptions(regions='repeated')); 'auto' is whole there",
+        "layers on the CPU device in one process without --recompute layers|auto, else whole",
     )
     c.add_argument(
         "--precision",

@@ -197,10 +197,10 @@ class TrainOptions:
             raise config_error(
                 f"unknown --compile_regions {self.compile_regions!r}; expected one of {', '.join(COMPILE_REGIONS)}"
             )
-        if self.compile_regions not in ("whole", "auto") and self.target not in ("gpu", "tpu"):
+        if self.compile_regions not in ("whole", "auto") and self.target != "gpu":
             raise config_error(
-                f"--compile_regions {self.compile_regions} is the compiled paths' flag (got --target "
-                f"{self.target}). Fix: --target gpu or tpu, or drop the flag."
+                f"--compile_regions {self.compile_regions} is the GPU path's flag (got --target {self.target}). "
+                "Fix: --target gpu, or drop the flag."
             )
         if self.parallel not in PARALLEL:
             raise config_error(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")

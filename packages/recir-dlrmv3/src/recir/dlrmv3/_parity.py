@@ -105,7 +105,7 @@ def run_parity(
     model_e, data, opt_e = build(opts, log)
     model_c, _, opt_c = build(opts, log, data=data)  # the same batches, a second model and optimizers
     eager = EagerTrainer(model_e, opt_e)
-    from ._train import lowering_options, resolve_compile_regions
+    from ._train import gpu_options, resolve_compile_regions
 
     compiled = make_trainer(
         opts.target,
@@ -113,13 +113,13 @@ def run_parity(
         opt_c,
         data.train_batch(0),
         opts.embedding_backend,
-        compile_options=lowering_options(opts),
+        compile_options=gpu_options(opts),
         recompute=opts.recompute,
         token_buckets=data.token_buckets,
         mask_padding=opts.mask_padding,
     )
     rows: list[ParityRow] = []
-    regions = f", --compile_regions {resolve_compile_regions(opts)}" if opts.target in ("gpu", "tpu") else ""
+    regions = f", --compile_regions {resolve_compile_regions(opts)}" if opts.target == "gpu" else ""
     log(f"parity: eager vs {compiled.description}{regions}, {steps} steps, atol {atol:g}")
     log(
         f"{'step':>4}  {'loss eager':>12}  {'loss compiled':>13}  {'|dloss|':>9}  {'max|dparam|':>11}  {'max|doptim|':>11}"

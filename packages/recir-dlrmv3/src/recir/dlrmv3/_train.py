@@ -84,19 +84,6 @@ def gpu_options(opts: TrainOptions) -> object:
     return GPUOptions(cuda_graphs=opts.cuda_graphs or None, regions=regions)  # type: ignore[arg-type]
 
 
-def lowering_options(opts: TrainOptions) -> object:
-    """The options for --target's lowering: recir.lower_gpu.GPUOptions (``gpu_options``) on the GPU path;
-    recir.lower_tpu.TPUOptions(regions="repeated") for --target tpu --compile_regions repeated (each run of
-    identical STU layers traced once, as a lax.scan; ``auto`` is ``whole`` there); else None (defaults)."""
-    if opts.target == "gpu":
-        return gpu_options(opts)
-    if opts.target == "tpu" and opts.compile_regions == "repeated":
-        from recir.lower_tpu import TPUOptions
-
-        return TPUOptions(regions="repeated")
-    return None
-
-
 def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in its flags); None where the
     flags cannot be read (not Linux), so nothing is claimed."""
@@ -284,7 +271,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         parallel=parallel,
         mesh=mesh,
         precision=opts.precision,
-        compile_options=lowering_options(opts),
+        compile_options=gpu_options(opts),
         table_sharding=opts.table_sharding,
         hbm_budget_gib=opts.hbm_budget_gib,
         recompute=opts.recompute,
@@ -328,11 +315,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
             profiler.after(step)
         if step == start:
             result.compile_seconds = trainer.compile_seconds
-            regions = (
-                f", --compile_regions {resolve_compile_regions(opts)}"
-                if opts.target in ("gpu", "tpu")
-                else ""
-            )
+            regions = f", --compile_regions {resolve_compile_regions(opts)}" if opts.target == "gpu" else ""
             log(f"train step compiled in {trainer.compile_seconds:.2f}s ({trainer.description}{regions})"
                 + _compile_parts(trainer))  # fmt: skip
             if writer is not None:

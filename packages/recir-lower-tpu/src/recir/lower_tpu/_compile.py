@@ -40,7 +40,6 @@ from ._multihost import gather_to_every_process
 from ._pipeline import tpu_pipeline
 from ._placement import Placement
 from ._private_apis import check_private_apis
-from ._scan import ScanPlan
 from ._sharding import placement_for
 from ._trace import check_lowerings, jax_step_fn, recir_env
 
@@ -76,10 +75,6 @@ class TPUOptions:
     (torch's default, so an fp32 step computes what eager does) -> ``highest``, ``high`` -> ``high``,
     ``medium`` -> ``default``. recir-mixed-precision's bf16 products take bf16 operands and run one pass
     whatever this says.
-    ``regions``: ``whole`` (default) traces every layer of the step; ``repeated`` traces each run of
-    identical layer pieces once (the forward's and the backward's of an ``nn.ModuleList`` of equal
-    layers) as a ``jax.lax.scan``, so XLA compiles one layer where it compiled several
-    (recir.lower_tpu._scan). Single-device steps only; a step it cannot cut compiles whole (logged).
     """
 
     x64: bool | None = None
@@ -91,14 +86,8 @@ class TPUOptions:
     huge_pages_min_bytes: int | None = HUGE_PAGES_MIN_BYTES
     attention_kernel: str = "blocked"
     matmul_precision: str | None = None
-    regions: str = "whole"
 
     def __post_init__(self) -> None:
-        if self.regions not in REGIONS:
-            raise ConfigError(
-                f"TPUOptions(regions={self.regions!r}): expected one of {', '.join(REGIONS)} ('repeated' "
-                "traces each run of identical layers once, as a lax.scan)"
-            )
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS.values():
             raise ConfigError(
                 f"TPUOptions(matmul_precision={self.matmul_precision!r}): expected one of "
@@ -110,9 +99,6 @@ class TPUOptions:
                 f"{', '.join(ATTENTION_KERNELS)}"
             )
 
-
-#: TPUOptions.regions
-REGIONS = ("whole", "repeated")
 
 #: torch.get_float32_matmul_precision() -> the JAX precision of float32 products (TPUOptions.matmul_precision)
 MATMUL_PRECISIONS = {"highest": "highest", "high": "high", "medium": "default"}
@@ -177,11 +163,9 @@ class TPUCompiledStep:
         out_sharding = placement.replicated() if self._multiprocess else None
         #: JAX's matmul precision for the float32 products (TPUOptions.matmul_precision, resolved now)
         self.matmul_precision = matmul_precision(options)
-        #: the runs of identical layers traced once each (TPUOptions.regions="repeated"), or None
-        self.scans = self._scan_plan(step, placement, options)
         self._fn = _with_matmul_precision(
             _ring_shift.with_ring_mesh(
-                jax_step_fn(step, self._env, out_dtypes, placement.node_sharding, self.scans), placement.mesh
+                jax_step_fn(step, self._env, out_dtypes, placement.node_sharding), placement.mesh
             ),
             self.matmul_precision,
         )
@@ -191,25 +175,6 @@ class TPUCompiledStep:
             in_shardings=(self._state_shardings, self._batch_shardings),
             out_shardings=(self._state_shardings, out_sharding),
         )
-
-    @staticmethod
-    def _scan_plan(step: StepGraph, placement: Placement, options: TPUOptions) -> ScanPlan | None:
-        if options.regions != "repeated":
-            return None
-        if placement.mesh is not None:
-            logger.info("recir.lower_tpu: regions='repeated' compiles the step whole: it runs on a mesh")
-            return None
-        started = time.perf_counter()
-        plan = ScanPlan(step.graph_module, len(step.signature.state))
-        if plan.reason is not None:
-            logger.info("recir.lower_tpu: regions='repeated' compiles the step whole: %s", plan.reason)
-            return None
-        logger.info(
-            "recir.lower_tpu: regions='repeated': %s, each traced once (planned in %.2fs)",
-            plan.describe(),
-            time.perf_counter() - started,
-        )
-        return plan
 
     # -- CompiledStep ---------------------------------------------------------------------------
     @property

@@ -27,15 +27,12 @@ def _mix32(x):
 
 
 @register_jax_lowering("recir::counter_uniform")
-def recir_counter_uniform(key, base, n: int):
+def recir_counter_uniform(key, base: int, n: int):
     """The reference's counter hash in uint32 instead of int64 masked to 32 bits: equal bit for bit (every
-    sum and product is taken mod 2**32 either way), without the 64-bit integer maths a TPU emulates.
-    ``base``: an int, or a 0-d integer array (a layer's counter base lifted into a ``lax.scan``, see
-    recir.lower_tpu._scan); integer conversion to uint32 keeps the low 32 bits, as ``& 0xFFFFFFFF`` does."""
+    sum and product is taken mod 2**32 either way), without the 64-bit integer maths a TPU emulates."""
     k1 = jax.lax.convert_element_type(key & _M32, jnp.uint32)
     k2 = _mix32(jnp.bitwise_xor(k1, jnp.uint32(_GOLDEN)))
-    b = jnp.uint32(base & _M32) if isinstance(base, int) else jax.lax.convert_element_type(base, jnp.uint32)
-    ctr = jax.lax.iota(jnp.uint32, n) + b + k2
+    ctr = jax.lax.iota(jnp.uint32, n) + jnp.uint32(base & _M32) + k2
     bits = _mix32(jnp.bitwise_xor(ctr, k1))
     return (bits >> 8).astype(jnp.float32) * jnp.float32(1.0 / (1 << 24))
 

@@ -158,31 +158,20 @@ def jax_step_fn(
     env: Environment,
     out_dtypes: Sequence[Any],
     constrain: Callable[[fx.Node], Any] | None = None,
-    scans: Any = None,
 ) -> Callable[[list[jax.Array], list[jax.Array]], tuple[list[jax.Array], list[jax.Array]]]:
     """``(state, batch) -> (new_state, outputs)`` over JAX arrays, the graph traced through torchax.
 
     ``constrain(node)`` may return a sharding for the node's value (``jax.lax.with_sharding_constraint``).
-    ``scans``: a ``recir.lower_tpu._scan.ScanPlan`` of the graph: its runs of repeated layers traced once
-    each, as ``lax.scan`` bodies.
     """
     gm = step.graph_module
     n_state = len(step.signature.state)
-
-    def trace(args: list[Any]) -> Any:
-        tracer = _JaxTracer(gm, env, constrain)
-        if scans is None:
-            return tracer.run(*args)
-        from ._scan import ScanTracer
-
-        return ScanTracer(scans, tracer, lambda: _JaxTracer(gm, env, constrain)).run(*args)
 
     def jax_step(state: list[jax.Array], batch: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
         args = env.j2t_iso([*state, *batch])
         with env, warnings.catch_warnings():
             # Without x64, 64-bit graph values are 32-bit by design (TPUOptions.x64); JAX warns each time.
             warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
-            out = trace(args)
+            out = _JaxTracer(gm, env, constrain).run(*args)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         jflat = [jnp.asarray(x) for x in env.t2j_iso(flat)]
         # Each output keeps its slot's dtype: a donated state buffer is reused only when dtypes agree.
