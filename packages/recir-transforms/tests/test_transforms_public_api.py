@@ -52,7 +52,7 @@ def test_transforms_public_surface_is_pinned():
         "embedding_bag_reference", "bag_segment_ids", "CompiledStep", "GRAD_OF_KEY", "OPTIM_PARAM_KEY", "OPTIMIZER_KEY", "OptimizerInfo", "optimizer_infos", "set_optimizer_infos", "grad_of", "optim_param", "grad_nodes", "OPTIMIZER_KINDS", "ParamOptim", "param_optim", "apply_update", "group_scalars", "state_keys_for", "state_shape", "rowwise_adagrad_update", "copy_graph_module", "lazy_graph_module", "SlotName", "parse_slot_name", "slot_path", "param_slot", "buffer_slot", "optim_slot", "lr_slot", "rng_slot", "carry_slot", "SLOT_KINDS", "STEP_SLOT", "RNG_SEED_SLOT", "RNG_OFFSET_SLOT", "require_private_apis", "missing_private_apis", "RecIRError", "VerificationError",
         "CaptureError", "LoweringError", "ConfigError", "DataError", "InlineReferences", "reference_for",
         "hstu_attention", "hstu_attention_reference", "hstu_attention_backward_reference",
-        "HSTU_ATTENTION_OVERRIDE", "RegionSplit",
+        "HSTU_ATTENTION_OVERRIDE",
     }  # fmt: skip
     assert set(rt.__all__) == pinned
     assert set(rt.INVARIANTS) == {f"INV-{i}" for i in range(1, 11)}

@@ -20,7 +20,6 @@ from recir.transforms import (
     ConfigError,
     InlineReferences,
     Pipeline,
-    RegionSplit,
     StepGraph,
     Transform,
     TransformResult,
@@ -31,6 +30,7 @@ from ._distributed import distribute_for_lowering
 from ._onednn import OVERRIDE, onednn_available, route_matmuls
 from ._options import GPUOptions
 from ._prepare import add_in_place_epilogue, check_kernels, copy_graph_module, retarget_devices
+from ._regions import RegionSplit
 from ._store import expand_recompute_barriers, register_inductor_lowering, store_rng_masks, store_shared_masks
 
 log = logging.getLogger("recir.lower_gpu")
@@ -184,7 +184,7 @@ class CheckKernels(Transform):
 @register_transform
 class SplitRepeatedRegions(Transform):
     """``GPUOptions(regions="repeated")``: plan the step's cut into pieces at its repeated module
-    instances (recir.transforms.RegionSplit). The graph is not rewritten: the split is kept on the transform
+    instances (recir.lower_gpu._regions). The graph is not rewritten: the split is kept on the transform
     (``self.split``) and the compile then gives Inductor each distinct piece once; disabled
     (``RECIR_DISABLE``) or a step it cannot cut (``self.split`` None, the reason in the stats): whole::
 

@@ -104,7 +104,6 @@ from ._region import regions_by_override as regions_by_override
 from ._region import regions_by_pattern as regions_by_pattern
 from ._region import regions_by_phase as regions_by_phase
 from ._region import splice as splice
-from ._repeated import RegionSplit as RegionSplit
 from ._signature import (
     BatchSlot as BatchSlot,
 )
@@ -287,7 +286,6 @@ __all__ = [
     "registered_transforms",
     # regions
     "Region",
-    "RegionSplit",
     "RegionTransform",
     "regions_by_phase",
     "regions_by_pattern",
