@@ -8,7 +8,12 @@
 #   bench  benchmarks/dlrmv3.py, TPU rows (BENCH_ARGS, default UIH 64 and 256, fp32 and bf16, one token budget:
 #          a full-size row's cold compile took 109 s on a v5e, so ROW_SECONDS defaults to 300);
 #   tests  the tpu-marked tests under TEST_PATHS (default packages) in one process (one program at a time
-#          can hold the chip); TEST_ARGS adds pytest options.
+#          can hold the chip); TEST_ARGS adds pytest options;
+#   rss    the host memory (VmRSS / VmHWM) after each start-up step: JAX's import, its TPU client
+#          (jax.devices()), a first array, torch, torchax, RecIR's lowering, a tiny compiled step (the
+#          full-size runs' 16-17 GiB host peak is not attributed yet). Not in the default STAGES.
+# Full-size rows' cold compiles on a v5e (2026-12-06): UIH 64 bf16 41-42 s, fp32 185 s (float32 products at
+# `highest`), so BENCH_SECONDS=540 fits about three rows after the machine's start.
 # Use: OUT=/some/dir bash benchmarks/tpu_session.sh; keep a call under the device's 10 minutes.
 # The wheels, fetched here for that machine's Python 3.11 (see the README's "On a TPU" for the list):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
@@ -21,7 +26,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 OUT="${OUT:-$(mktemp -d)}"; mkdir -p "$OUT"
-STAGES="${STAGES:-env smoke bench tests}"
+STAGES="${STAGES:-env smoke bench tests}"  # and rss
 # The machine's JAX belongs to its Python 3.11; a bare python3 there follows this checkout's .python-version (3.12).
 PY="${PY:-python3.11}"
 SITE=/tmp/site
@@ -69,5 +74,48 @@ if has tests; then
   # shellcheck disable=SC2086
   timeout "${TEST_SECONDS:-300}" "$PY" -m pytest ${TEST_PATHS:-packages} -m tpu -q -p no:cacheprovider -rfE ${TEST_ARGS:-} \
     2>&1 | tee "$OUT/tpu-tests.log" | tail -40
+fi
+if has rss; then
+  el "rss: host memory after each start-up step"
+  timeout "${RSS_SECONDS:-240}" "$PY" - <<'PY' 2>&1 | tee "$OUT/rss.txt"
+import time
+
+T0 = time.perf_counter()
+
+
+def rss(what):
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    gib = lambda k: int(status[k].split()[0]) / 2**20  # noqa: E731 (kB -> GiB)
+    print(f"rss {what:<28} now {gib('VmRSS'):6.2f} GiB  peak {gib('VmHWM'):6.2f} GiB  at {time.perf_counter() - T0:5.1f} s", flush=True)
+
+
+rss("start")
+import jax
+
+rss("import jax")
+devices = jax.devices()
+rss(f"jax.devices() ({devices[0].platform})")
+jax.numpy.ones((1024, 1024)).block_until_ready()
+rss("a first array")
+import torch
+
+rss("import torch")
+import torchax  # noqa: F401
+
+rss("import torchax")
+import recir.lower_tpu as lt
+
+rss("import recir.lower_tpu")
+from recir.capture import capture_train_step
+
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = torch.optim.Adam(model.parameters())
+batch = {"x": torch.randn(32, 64), "y": torch.randn(32, 1)}
+loss = lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"])  # noqa: E731
+step = lt.compile(capture_train_step(model, opt, loss, batch), options=lt.TPUOptions(persistent_cache=False))
+state = step.init_state(model, opt)
+state, out = step(state, batch)
+rss("a tiny compiled step")
+PY
 fi
 el "done"
