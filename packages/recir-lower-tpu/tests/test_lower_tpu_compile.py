@@ -176,10 +176,19 @@ def test_x64_option_keeps_int64_exact(sgd_step):
     assert loss.dtype == torch.float32 and state[0].dtype == jax.numpy.float32
     torch.testing.assert_close(loss, want, atol=ATOL, rtol=RTOL)
     assert not jax.config.read("jax_enable_x64"), "x64 must stay scoped to the compiled step"
-    # the same step in 32 bits loses the high bits: the check above can tell the two apart
+    # the same step in 32 bits would lose the high bits: it refuses the batch instead of wrapping the values
     narrow = compile(sgd_step(model, _mse_plus_high_bits, batch), options=TPUOptions(x64=False))
-    _, (loss32,) = narrow(narrow.init_state(model), batch)
-    assert abs(float(loss32) - float(want)) > 1.0, (float(loss32), float(want))
+    narrow_state = narrow.init_state(model)
+    with pytest.raises(
+        DataError, match=r"batch input '\w+' holds int64 values in \[8589934592, 1099511627783\].*x64=True"
+    ):
+        narrow(narrow_state, batch)
+    # values that fit int32 run as before
+    small = {**batch, "big": torch.tensor([5, -7, 2**31 - 1], dtype=torch.int64)}
+    _, (loss32,) = narrow(narrow_state, small)
+    torch.testing.assert_close(
+        loss32, _mse(model, small).detach() + (-1), atol=ATOL, rtol=RTOL
+    )  # -7 >> 32 = -1
 
 
 def test_init_state_releases_each_source_once_its_copy_exists(sgd_step):
