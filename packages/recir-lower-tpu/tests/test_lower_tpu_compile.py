@@ -224,3 +224,23 @@ def test_trim_host_heap_runs_where_there_is_glibc():
     from recir.embedding import trim_host_heap
 
     assert trim_host_heap() is (platform.libc_ver()[0] == "glibc")
+
+
+def test_state_past_int32_without_x64_is_refused_by_name():
+    from recir.capture import capture_train_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))  # num_batches_tracked: an int64 buffer
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"x": torch.randn(8, 4)}
+    step = capture_train_step(model, opt, lambda m, b: m(b["x"]).square().mean(), batch)
+    compiled = compile(step)
+    assert not compiled.x64  # no rng, no 64-bit constants
+    state = step.state_dict(step.init_state(model, opt))
+    name = next(k for k in state if k.endswith("num_batches_tracked"))
+    state[name] = torch.tensor(2**40, dtype=torch.int64)
+    with pytest.raises(DataError, match=rf"state slot '{name}' holds int64 values in \[1099511627776, "):
+        compiled.load_state_dict(state)
+    state[name] = torch.tensor(5, dtype=torch.int64)  # fits: loads and trains
+    new_state, _ = compiled(compiled.load_state_dict(state), batch)
+    assert compiled.state_dict(new_state)[name].item() == 6  # counted on in int32, back as int64

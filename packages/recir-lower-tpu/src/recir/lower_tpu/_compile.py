@@ -54,8 +54,8 @@ class TPUOptions:
     (the default) decides per graph: on when the step needs 64-bit integer maths (``rng`` state slots,
     whose counter-based hash runs in int64, or integer constants beyond int32), else off, since TPUs
     emulate 64-bit types and ids, offsets and counters fit int32. State and outputs keep their torch
-    dtypes at the boundary either way; without x64 an int64 batch value outside int32 raises DataError
-    before the step (it would wrap). ``persistent_cache``: use JAX's on-disk compilation cache in ``cache_dir``
+    dtypes at the boundary either way; without x64 an int64 batch or state value outside int32 raises
+    DataError before the step or the state's copy (it would wrap). ``persistent_cache``: use JAX's on-disk compilation cache in ``cache_dir``
     (default ``$RECIR_CACHE_DIR/jax``). ``donate_state``: let XLA reuse the state buffers in place.
     ``sparse_updates``: recir-embedding's row-wise table updates (cost grows with the ids in a batch;
     lazy for Adam and touched-rows-only weight decay, so not bit-for-bit torch.optim for tables).
@@ -230,7 +230,8 @@ class TPUCompiledStep:
         for check in self.host_checks:  # DataError before anything runs on the device
             check(flat)
         if not self.x64:
-            check_int32_batch(sig.batch, flat)
+            for slot, t in zip(sig.batch, flat):
+                check_int32("batch input", slot.name, t)
         with self._x64():
             jstate = [
                 to_jax(x, sh, owned=True) if isinstance(x, torch.Tensor) else x
@@ -373,6 +374,10 @@ class TPUCompiledStep:
     ) -> list[jax.Array]:
         pending: list[torch.Tensor | None] = list(tensors)
         del tensors  # each source is dropped once copied (with `release`, the caller drops its own too)
+        if not self.x64:  # every slot before the first copy: `release` must not have dropped any yet
+            for slot, t in zip(self.step.signature.state, pending):
+                assert t is not None
+                check_int32("state slot", slot.name, t)
         with self._x64():
             state = []
             for i, (slot, sh) in enumerate(zip(self.step.signature.state, self._state_shardings)):
@@ -430,20 +435,19 @@ def _export_platforms(platforms: Sequence[str] | None) -> tuple[str, ...] | None
 _INT32 = (-(2**31), 2**31 - 1)
 
 
-def check_int32_batch(slots: Sequence[Any], flat: Sequence[torch.Tensor]) -> None:
-    """DataError for a 64-bit integer batch input with a value outside int32, for a step without x64: JAX
-    would narrow it to int32 and the value would wrap silently."""
-    for slot, t in zip(slots, flat):
-        if t.dtype != torch.int64 or t.numel() == 0:
-            continue
-        lo, hi = (int(v) for v in torch.aminmax(t.detach()))
-        if lo < _INT32[0] or hi > _INT32[1]:
-            raise DataError(
-                f"batch input {slot.name!r} holds int64 values in [{lo}, {hi}], outside int32, and this step "
-                "runs without x64 (TPUOptions(x64=None) turns it off for graphs without 64-bit integer maths), "
-                "where they would wrap silently. Fix: compile with TPUOptions(x64=True), or bring the values "
-                "into int32 range before the step (e.g. timestamps relative to a base time)."
-            )
+def check_int32(what: str, name: str, t: torch.Tensor) -> None:
+    """DataError for a 64-bit integer ``what`` (``batch input``, ``state slot``) with a value outside int32,
+    for a step without x64: JAX would narrow it to int32 and the value would wrap silently."""
+    if t.dtype != torch.int64 or t.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(t.detach()))
+    if lo < _INT32[0] or hi > _INT32[1]:
+        raise DataError(
+            f"{what} {name!r} holds int64 values in [{lo}, {hi}], outside int32, and this step runs without "
+            "x64 (TPUOptions(x64=None) turns it off for graphs without 64-bit integer maths), where they would "
+            "wrap silently. Fix: compile with TPUOptions(x64=True), or bring the values into int32 range first "
+            "(e.g. timestamps relative to a base time)."
+        )
 
 
 def needs_x64(step: StepGraph) -> bool:
