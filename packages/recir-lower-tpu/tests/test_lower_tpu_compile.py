@@ -183,12 +183,10 @@ def test_x64_option_keeps_int64_exact(sgd_step):
         DataError, match=r"batch input '\w+' holds int64 values in \[8589934592, 1099511627783\].*x64=True"
     ):
         narrow(narrow_state, batch)
-    # values that fit int32 run as before
+    # values that fit int32 run as before (their high bits: 0, -1 for -7, 0)
     small = {**batch, "big": torch.tensor([5, -7, 2**31 - 1], dtype=torch.int64)}
     _, (loss32,) = narrow(narrow_state, small)
-    torch.testing.assert_close(
-        loss32, _mse(model, small).detach() + (-1), atol=ATOL, rtol=RTOL
-    )  # -7 >> 32 = -1
+    torch.testing.assert_close(loss32, _mse(model, small).detach() - 1, atol=ATOL, rtol=RTOL)
 
 
 def test_init_state_releases_each_source_once_its_copy_exists(sgd_step):
