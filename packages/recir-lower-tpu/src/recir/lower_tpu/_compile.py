@@ -56,7 +56,8 @@ class TPUOptions:
     64-bit types and ids, offsets and counters fit int32. State and outputs keep their torch dtypes at
     the boundary either way; without x64 an int64 batch or state value outside int32 raises DataError
     before the step or the state's copy (it would wrap). ``persistent_cache``: use JAX's on-disk
-    compilation cache in ``cache_dir`` (default ``$RECIR_CACHE_DIR/jax``). ``donate_state``: let XLA reuse the state buffers in place.
+    compilation cache in ``cache_dir`` (default ``$RECIR_CACHE_DIR/jax``). ``donate_state``: let XLA
+    reuse the state buffers in place.
     ``sparse_updates``: recir-embedding's row-wise table updates (cost grows with the ids in a batch;
     lazy for Adam and touched-rows-only weight decay, so not bit-for-bit torch.optim for tables).
     ``host_checks``: run the step's id/length checks (``recir::check_jagged``, which XLA cannot raise
