@@ -65,6 +65,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         layer_dropout=args.layer_dropout,
         num_threads=args.threads,
         precision=args.precision,
+        matmul_precision=args.matmul_precision,
         host_memory=args.host_memory,
         token_budget=None
         if args.target in ("eager", "torch.compile") or args.token_budget == "off"
@@ -212,6 +213,8 @@ def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str)
         out += [f"--{k}", str(getattr(args, k))]
     if args.embedding_backend:
         out += ["--embedding_backend", args.embedding_backend]
+    if args.matmul_precision:
+        out += ["--matmul_precision", args.matmul_precision]
     return out
 
 
@@ -254,6 +257,13 @@ def main() -> None:
     p.add_argument("--input_dropout", type=float, default=0.2)
     p.add_argument("--layer_dropout", type=float, default=0.1)
     p.add_argument("--embedding_backend", default=None)
+    p.add_argument(
+        "--matmul_precision",
+        choices=("highest", "high", "medium"),
+        default=None,
+        help="every row: recir-dlrmv3 train --matmul_precision (float32 products; on a TPU highest is about "
+        "six bf16 passes, high three, medium one) (default: torch's, highest)",
+    )
     p.add_argument(
         "--token_budget",
         default="auto",
@@ -304,7 +314,7 @@ def main() -> None:
         )
     print(f"device {device}, {args.threads} CPU thread(s), torch {torch.__version__}, dim {args.embedding_dim}, "
           f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over "
-          f"{args.rounds} rounds of {args.steps} steps; host memory {args.host_memory}; GPU/TPU paths' token "
+          f"{args.rounds} rounds of {args.steps} steps; float32 products {args.matmul_precision or torch.get_float32_matmul_precision()}; host memory {args.host_memory}; GPU/TPU paths' token "
           f"budget {args.token_budget}, {args.token_buckets} bucket(s); 'vs ref' = reference loop ms / ours "
           + (f"(the reference loop measured now from {args.reference})" if args.reference else
              "(docs/dlrmv3-reference.md: 2 CPU threads, so CPU runs only)"))  # fmt: skip

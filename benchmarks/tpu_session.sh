@@ -26,7 +26,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 OUT="${OUT:-$(mktemp -d)}"; mkdir -p "$OUT"
-STAGES="${STAGES:-env smoke bench tests}"  # and rss
+STAGES="${STAGES:-env smoke bench tests}"  # and rss; BENCH_ARGS="... --matmul_precision high" for float32 at three passes
 # The machine's JAX belongs to its Python 3.11; a bare python3 there follows this checkout's .python-version (3.12).
 PY="${PY:-python3.11}"
 SITE=/tmp/site

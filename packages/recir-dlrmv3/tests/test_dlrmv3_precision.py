@@ -59,6 +59,26 @@ def test_dlrmv3_bad_precision(capsys):
     assert info.value.code == 2 and "--precision" in capsys.readouterr().err
 
 
+def test_dlrmv3_matmul_precision_sets_torch_and_reaches_the_tpu_step(capsys):
+    """--matmul_precision sets torch's float32 product precision for the run; the TPU path's step follows it
+    (float32 products at `high`: three bf16 passes on a TPU, the CPU backend's float32 unchanged)."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        opts = TrainOptions(**TINY, target="tpu", matmul_precision="high")
+        model, data, optimizers = build(opts)
+        assert torch.get_float32_matmul_precision() == "high"
+        trainer = make_trainer("tpu", model, optimizers, data.train_batch(0))
+        assert trainer.compiled.matmul_precision == "high"  # type: ignore[attr-defined]
+        assert torch.isfinite(trainer.step(data.train_batch(0))[0])
+    finally:
+        torch.set_float32_matmul_precision(before)
+    with pytest.raises(ConfigError, match="--matmul_precision 'tf32'.*highest, high, medium"):
+        TrainOptions(matmul_precision="tf32").check()
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--matmul_precision", "tf32"])
+    assert info.value.code == 2 and "--matmul_precision" in capsys.readouterr().err
+
+
 @pytest.mark.tpu
 def test_dlrmv3_bf16_default_debug_run_keeps_fp32_auc():
     """The default `train` (debug dataset, 400 steps) on the TPU path: bf16's final AUC within 0.01 of fp32's."""

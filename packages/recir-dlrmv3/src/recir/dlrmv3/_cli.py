@@ -11,6 +11,7 @@ from ._config import (
     COMPILE_REGIONS,
     DATASETS,
     EMBEDDING_BACKENDS,
+    MATMUL_PRECISIONS,
     OPTIMIZERS,
     PARALLEL,
     PRECISIONS,
@@ -124,6 +125,15 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         default=d["precision"],
         help="fp32, or bf16: matrix products in bf16 with fp32 master weights and optimizer state "
         "(recir-mixed-precision on the captured step; torch.autocast on --target eager) (default %(default)s)",
+    )
+    c.add_argument(
+        "--matmul_precision",
+        choices=MATMUL_PRECISIONS,
+        default=None,
+        help="torch.set_float32_matmul_precision for the run: how float32 matrix products are computed. On "
+        "--target tpu the passes of bf16 products per float32 product (highest: about six, the CPU's result; "
+        "high: three; medium: one, what JAX does by default), on CUDA whether TF32 is used. Default: torch's "
+        "setting (highest unless changed)",
     )
     c.add_argument(
         "--recompute",

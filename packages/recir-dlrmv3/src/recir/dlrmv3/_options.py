@@ -31,6 +31,9 @@ class TrainOptions:
     layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
     precision: str = "fp32"
+    # torch.set_float32_matmul_precision for the run (None: leave torch's setting): the GPU path's TF32 on
+    # CUDA, the TPU path's passes per float32 product (recir.lower_tpu follows torch's knob)
+    matmul_precision: str | None = None
     # none | layers | auto (recir-recompute-activations) | attention (the model's own; RECOMPUTE)
     recompute: str = "none"
     # recir-embed-mask-padding on the captured step (padded positions of jagged id features zeroed)
@@ -140,7 +143,7 @@ class TrainOptions:
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
             raise config_error("--checkpoint_every needs --checkpoint_dir")
-        from ._config import PARALLEL, PRECISIONS, RECOMPUTE, STEP_RECOMPUTE
+        from ._config import MATMUL_PRECISIONS, PARALLEL, PRECISIONS, RECOMPUTE, STEP_RECOMPUTE
 
         if self.embedding_backend == "cpu" and self.target != "tpu":
             raise config_error(
@@ -159,6 +162,11 @@ class TrainOptions:
         if self.precision not in PRECISIONS:
             raise config_error(
                 f"unknown --precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}"
+            )
+        if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+            raise config_error(
+                f"unknown --matmul_precision {self.matmul_precision!r}; expected one of {', '.join(MATMUL_PRECISIONS)} "
+                "(torch.set_float32_matmul_precision's settings)"
             )
         if self.recompute not in RECOMPUTE:
             raise config_error(

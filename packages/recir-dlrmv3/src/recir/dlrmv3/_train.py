@@ -120,6 +120,8 @@ def build(
     _warn_slow_bf16(opts)
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
+    if opts.matmul_precision is not None:
+        torch.set_float32_matmul_precision(opts.matmul_precision)
     if opts.host_memory != "release":
         from recir.lower_gpu import retain_host_memory
 
