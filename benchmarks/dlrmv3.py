@@ -91,16 +91,22 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         "gpu+regions": {"regions": "repeated"},
         "gpu+whole": {"regions": "whole"},
     }
-    target = "eager" if args.target == "torch.compile" else "gpu" if args.target in variants else args.target
+    gpu_like = (*variants, "gpu+welford")
+    target = "eager" if args.target == "torch.compile" else "gpu" if args.target in gpu_like else args.target
     options = None
     if args.target in variants:
         from recir.lower_gpu import GPUOptions
 
         options = GPUOptions(**variants[args.target])
-    elif args.target == "gpu":
+    elif args.target in ("gpu", "gpu+welford"):
+        import dataclasses
+
         from recir.dlrmv3._train import gpu_options
+        from recir.lower_gpu import GPUOptions
 
         options = gpu_options(opts)
+        if args.target == "gpu+welford":  # train's default but Inductor's own Welford variances on the CPU
+            options = dataclasses.replace(options or GPUOptions(), cpu_variance="welford")
     trainer = make_trainer(
         target,
         model,
@@ -223,7 +229,8 @@ def main() -> None:
     p.add_argument(
         "--targets",
         default="eager,gpu,tpu",
-        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, gpu+whole, tpu (default %(default)s)",
+        help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, gpu+whole, "
+        "gpu+welford (Inductor's Welford variances on the CPU), tpu (default %(default)s)",
     )
     p.add_argument(
         "--device",

@@ -9,7 +9,7 @@
 #          a full-size row's cold compile took 109 s on a v5e, so ROW_SECONDS defaults to 300);
 #   tests  the tpu-marked tests under TEST_PATHS (default packages) in one process (one program at a time
 #          can hold the chip); TEST_ARGS adds pytest options;
-#   rss    the host memory (VmRSS / VmHWM) after each start-up step: JAX's import, its TPU client
+#   rss    the host memory (VmRSS, getrusage's peak) after each start-up step: JAX's import, its TPU client
 #          (jax.devices()), a first array, torch, torchax, RecIR's lowering, a tiny compiled step (the
 #          full-size runs' 16-17 GiB host peak is not attributed yet). Not in the default STAGES.
 # Full-size rows' cold compiles on a v5e (2026-12-06): UIH 64 bf16 41-42 s, fp32 185 s (float32 products at
@@ -78,15 +78,18 @@ fi
 if has rss; then
   el "rss: host memory after each start-up step"
   timeout "${RSS_SECONDS:-240}" "$PY" - <<'PY' 2>&1 | tee "$OUT/rss.txt"
+import resource
 import time
 
 T0 = time.perf_counter()
 
 
 def rss(what):
+    # the TPU machine's /proc/self/status has VmRSS but no VmHWM (2026-12-06): the peak is getrusage's
     status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
-    gib = lambda k: int(status[k].split()[0]) / 2**20  # noqa: E731 (kB -> GiB)
-    print(f"rss {what:<28} now {gib('VmRSS'):6.2f} GiB  peak {gib('VmHWM'):6.2f} GiB  at {time.perf_counter() - T0:5.1f} s", flush=True)
+    now = int(status["VmRSS"].split()[0]) / 2**20 if "VmRSS" in status else float("nan")  # kB -> GiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+    print(f"rss {what:<28} now {now:6.2f} GiB  peak {peak:6.2f} GiB  at {time.perf_counter() - T0:5.1f} s", flush=True)
 
 
 rss("start")

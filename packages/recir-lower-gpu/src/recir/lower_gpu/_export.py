@@ -28,6 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from ._compile import resolve_device
 from ._prepare import copy_graph_module, retarget_devices
+from ._variance import TwoPassVariance
 
 log = logging.getLogger("recir.lower_gpu")
 
@@ -100,12 +101,15 @@ class UnfuseCpuAddmm(CustomGraphPass):
 
 
 def _aoti_configs(program: torch.export.ExportedProgram) -> dict[str, Any]:
-    """Inductor settings for packaging ``program``: on the CPU, :class:`UnfuseCpuAddmm` after post-grad.
+    """Inductor settings for packaging ``program``: on the CPU, :class:`UnfuseCpuAddmm` after post-grad
+    and short variances in two passes (``recir.lower_gpu._variance``, before post-grad).
     DLRMv3's full-sequence serving artifact at batch 256 (2-core Xeon, two alternating pairs): 288 / 327
     -> 254 / 263 ms (11 addmm per batch, each copying its bias first; 6% of the time in those copies)."""
     vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
     devices = {v.device.type for v in vals if isinstance(v, torch.Tensor)}
-    return {"post_grad_custom_post_pass": UnfuseCpuAddmm()} if devices <= {"cpu"} else {}
+    if not devices <= {"cpu"}:
+        return {}
+    return {"post_grad_custom_pre_pass": TwoPassVariance(), "post_grad_custom_post_pass": UnfuseCpuAddmm()}
 
 
 def package(program: torch.export.ExportedProgram, path: str | os.PathLike[str]) -> Path:

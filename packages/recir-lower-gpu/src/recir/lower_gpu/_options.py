@@ -71,6 +71,11 @@ class GPUOptions:
       values either way; it matters most for steps that recompute activations (full-size DLRMv3 at UIH
       4096 with ``--recompute layers``: Inductor's buffers peaked at 1283 MiB without it, 759 with it and
       the stored dropout masks, where the step's graph needs 878).
+    - ``cpu_variance``: on the CPU device, how Inductor computes a ``var_mean`` (every layer norm's
+      statistics) over at most 32K elements: ``"two_pass"`` (the default: the mean, then the sum of squared
+      deviations, two plain vectorised sums; recir.lower_gpu._variance) or ``"welford"`` (Inductor's own
+      Welford reduction, whose per-row lane combine costs more than a short row's arithmetic). Same values
+      to float rounding.
     - ``huge_pages_min_bytes``: on the CPU device, back every state tensor of at least this many bytes
       (the large embedding tables) by transparent huge pages (Linux; ``recir.embedding.advise_huge_pages``)
       when ``init_state``/``load_state_dict`` build the state, so a row lookup or update stops paying a TLB
@@ -92,6 +97,7 @@ class GPUOptions:
     regions: Literal["whole", "repeated"] = "whole"
     cpu_matmul: Literal["auto", "onednn", "aten"] = "auto"
     free_early: bool = True
+    cpu_variance: Literal["two_pass", "welford"] = "two_pass"
     huge_pages_min_bytes: int | None = 256 << 20  # recir.embedding.HUGE_PAGES_MIN_BYTES
 
     def __post_init__(self) -> None:
@@ -110,6 +116,11 @@ class GPUOptions:
                 f"GPUOptions.cpu_matmul: expected 'auto', 'onednn' or 'aten', got {self.cpu_matmul!r}. "
                 "Fix: 'auto' uses oneDNN's GEMM for fp32 products on the CPU when torch has it; 'aten' keeps "
                 "ATen's BLAS call."
+            )
+        if self.cpu_variance not in ("two_pass", "welford"):
+            raise ConfigError(
+                f"GPUOptions.cpu_variance: expected 'two_pass' or 'welford', got {self.cpu_variance!r}. "
+                "Fix: 'two_pass' computes short CPU variances as two sums; 'welford' keeps Inductor's reduction."
             )
         if isinstance(self.inductor_config, dict):
             object.__setattr__(self, "inductor_config", tuple(sorted(self.inductor_config.items())))
@@ -141,6 +152,10 @@ class GPUOptions:
             # 1-thread process (the tests) was reused by 2-thread runs and ran serial (measured: full-size
             # DLRMv3 bf16 250-270 against 195 ms/step). Stating the count puts it in the key.
             patches["cpp.threads"] = torch.get_num_threads()
+            if self.cpu_variance == "two_pass":
+                from ._variance import TwoPassVariance
+
+                patches["post_grad_custom_pre_pass"] = TwoPassVariance()
         from torch._inductor import config as inductor_config
 
         if self.in_place and self.free_early:

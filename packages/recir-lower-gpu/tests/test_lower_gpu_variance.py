@@ -1,0 +1,110 @@
+"""Short CPU variances (every layer norm's statistics) as two plain sums instead of Inductor's Welford
+reduction (recir.lower_gpu._variance, ``GPUOptions.cpu_variance``): same values, no Welford code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import recir.lower_gpu as lg
+import torch
+from _lower_gpu_steps import mlp_batch, mse_loss, sgd_step_graph
+from recir.lower_gpu._variance import MAX_ELEMENTS, two_pass_variance
+from recir.transforms import ConfigError
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+@pytest.mark.parametrize(
+    ("shape", "dims", "correction", "keepdim"),
+    [
+        ((6, 64), [-1], 0, True),
+        ((6, 64), [1], 1, False),
+        ((3, 4, 5), [0, 2], 1, True),
+        ((3, 4, 5), None, 0, False),
+    ],
+)
+def test_two_pass_variance_equals_var_mean(shape, dims, correction, keepdim):
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.var_mean(x, dims, correction=correction, keepdim=keepdim)
+
+    x = torch.randn(shape, dtype=torch.float64) * 3 + 1000  # a large mean: a naive E[x^2] - E[x]^2 loses it
+    gm = make_fx(fn)(x)
+    assert two_pass_variance(gm.graph) == 1
+    gm.recompile()
+    assert torch.ops.aten.var_mean.correction not in {n.target for n in gm.graph.nodes}
+    for got, want in zip(gm(x), fn(x)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_long_and_non_cpu_reductions_keep_welford():
+    long = make_fx(lambda x: torch.var_mean(x, -1))(torch.randn(2, MAX_ELEMENTS + 1))
+    assert two_pass_variance(long.graph) == 0
+    meta = make_fx(lambda x: torch.var_mean(x, -1))(torch.randn(2, 8, device="meta"))
+    assert two_pass_variance(meta.graph) == 0
+
+
+class _NormMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def _generated_code(cache_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp"))
+
+
+def test_compiled_layer_norm_step_has_no_welford_and_matches_welford_and_eager(tmp_path):
+    """A step with a LayerNorm: the default compiles its statistics with no Welford code, the
+    `welford` option with it (Inductor's own), and both train as eager torch.optim does (parameters
+    and momenta after 5 steps)."""
+    torch.manual_seed(0)
+    model = _NormMLP()
+    step = sgd_step_graph(model, mse_loss, mlp_batch(0, n=16), lr=0.05, momentum=0.9)
+    states = {}
+    for variance in ("two_pass", "welford"):
+        cache = tmp_path / variance
+        options = lg.GPUOptions(cache_dir=str(cache), cpu_variance=variance)  # type: ignore[arg-type]
+        compiled = lg.compile(step, device="cpu", options=options)
+        state = compiled.init_state(model, None)
+        for i in range(5):
+            state, _ = compiled(state, mlp_batch(i, n=16))
+        states[variance] = compiled.state_dict(state)
+        assert ("welford" in _generated_code(cache).lower()) == (variance == "welford"), variance
+    eager = _NormMLP()
+    eager.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    for i in range(5):
+        opt.zero_grad()
+        mse_loss(eager, mlp_batch(i, n=16)).backward()
+        opt.step()
+    for name, p in eager.named_parameters():
+        for variance, sd in states.items():
+            torch.testing.assert_close(sd[f"param:{name}"], p.detach(), rtol=1e-4, atol=1e-5, msg=variance)
+            momentum = opt.state[p]["momentum_buffer"]
+            torch.testing.assert_close(sd[f"optim:{name}:momentum_buffer"], momentum, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_cpu_variance_names_the_choices():
+    with pytest.raises(ConfigError, match="cpu_variance.*'naive'.*two_pass"):
+        lg.GPUOptions(cpu_variance="naive")  # type: ignore[arg-type]
+
+
+def test_cpu_packages_compute_layer_norms_without_welford(tmp_path):
+    """`package` (what `export` calls) on the CPU: a LayerNorm's statistics in two sums, the model's values."""
+    import zipfile
+
+    from recir.lower_gpu import package
+
+    torch.manual_seed(0)
+    model, x = _NormMLP().eval(), torch.randn(32, 8)
+    path = package(torch.export.export(model, (x,)).run_decompositions(), tmp_path / "norm.pt2")
+    with zipfile.ZipFile(path) as z:
+        code = "".join(z.read(f).decode() for f in z.namelist() if f.endswith(".cpp"))
+    assert "welford" not in code.lower() and "cpp_fused" in code
+    got = torch._inductor.aoti_load_package(str(path))(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-6)
