@@ -242,3 +242,25 @@ def test_state_past_int32_without_x64_is_refused_by_name():
     state[name] = torch.tensor(5, dtype=torch.int64)  # fits: loads and trains
     new_state, _ = compiled(compiled.load_state_dict(state), batch)
     assert compiled.state_dict(new_state)[name].item() == 6  # counted on in int32, back as int64
+
+
+def test_baked_state_past_int32_without_x64_is_refused_by_name(tmp_path):
+    """export(baked_state=) bakes int64 state as int32 constants when x64 is off: out of range, DataError."""
+    from recir.capture import capture_train_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = capture_train_step(model, opt, lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
+    compiled = compile(step)
+    assert not compiled.x64
+    baked = [t.clone() for t in step.init_state(model, opt)]
+    index = next(i for i, s in enumerate(step.signature.state) if s.name.endswith("num_batches_tracked"))
+    baked[index] = torch.tensor(2**40, dtype=torch.int64)
+    name = step.signature.state[index].name
+    with pytest.raises(DataError, match=rf"baked state slot '{name}' holds int64 values in \[1099511627776, "):
+        compiled.export(tmp_path / "step.jax", baked_state=baked)
+    assert not (tmp_path / "step.jax").exists()
+    baked[index] = torch.tensor(5, dtype=torch.int64)
+    compiled.export(tmp_path / "step.jax", baked_state=baked)
+    assert (tmp_path / "step.jax").exists()

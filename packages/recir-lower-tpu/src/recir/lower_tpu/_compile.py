@@ -294,6 +294,9 @@ class TPUCompiledStep:
         sig = self.step.signature
         if baked_state is not None:
             sig.check_state(baked_state, "TPUCompiledStep.export(baked_state=)")
+            if not self.x64:  # baked as int32 constants, they would wrap as state would (_put_state)
+                for slot, t in zip(sig.state, baked_state):
+                    check_int32("baked state slot", slot.name, t)
         targets = _export_platforms(platforms)
         with self._x64():
             state = [jax.ShapeDtypeStruct(s.shape, jax_dtype(s.dtype)) for s in sig.state]
