@@ -71,11 +71,11 @@ class GPUOptions:
       values either way; it matters most for steps that recompute activations (full-size DLRMv3 at UIH
       4096 with ``--recompute layers``: Inductor's buffers peaked at 1283 MiB without it, 759 with it and
       the stored dropout masks, where the step's graph needs 878).
-    - ``cpu_variance``: on the CPU device, how Inductor computes a ``var_mean`` (every layer norm's
-      statistics) over at most 32K elements: ``"two_pass"`` (the default: the mean, then the sum of squared
-      deviations, two plain vectorised sums; recir.lower_gpu._variance) or ``"welford"`` (Inductor's own
-      Welford reduction, whose per-row lane combine costs more than a short row's arithmetic). Same values
-      to float rounding.
+    - ``cpu_variance``: on the CPU device, how Inductor computes a float32 ``var_mean`` (every layer
+      norm's statistics) over at most 32K elements: ``"two_pass"`` (the default: the mean, then the sum of
+      squared deviations, two plain vectorised sums; recir.lower_gpu._variance) or ``"welford"``
+      (Inductor's own Welford reduction, whose per-row lane combine costs more than a short row's
+      arithmetic). Same values to float rounding.
     - ``huge_pages_min_bytes``: on the CPU device, back every state tensor of at least this many bytes
       (the large embedding tables) by transparent huge pages (Linux; ``recir.embedding.advise_huge_pages``)
       when ``init_state``/``load_state_dict`` build the state, so a row lookup or update stops paying a TLB

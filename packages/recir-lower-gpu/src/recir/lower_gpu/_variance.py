@@ -10,8 +10,8 @@ results agree to float rounding. Measured on a 2-core AMD EPYC (AVX-512), one th
 candidates artifact of DLRMv3's serving model at batch 256 (bf16): 82-84 -> 48-49 ms per batch, where a
 profile put 40% of the generated kernels' time in the Welford helpers.
 
-Only reductions of at most :data:`MAX_ELEMENTS` statically known elements are rewritten (a row the
-second pass reads back from cache); longer ones and other devices keep Welford.
+Only float32/float64 reductions of at most :data:`MAX_ELEMENTS` statically known elements are rewritten
+(a row the second pass reads back from cache); longer ones, other dtypes and other devices keep Welford.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 #: the longest reduction rewritten (elements; 32K fp32 values are 128 KiB, within a core's L2 cache)
 MAX_ELEMENTS = 32768
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# float32/float64 only: Inductor computes a bf16/fp16 var_mean in float32 itself, where this rewrite's mean
+# would be stored, and subtracted, in the input's precision (layer norms upcast before var_mean anyway)
+_FLOATS = (torch.float32, torch.float64)
 
 
 def _reduced(node: fx.Node) -> tuple[list[int], int] | None:
-    """(the dims ``node``, a ``var_mean``, reduces, their element count) when it is a CPU float
+    """(the dims ``node``, a ``var_mean``, reduces, their element count) when it is a CPU float32/float64
     reduction of a static size within :data:`MAX_ELEMENTS`, else None."""
     x = node.args[0]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
