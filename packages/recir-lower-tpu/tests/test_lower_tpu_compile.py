@@ -258,7 +258,9 @@ def test_baked_state_past_int32_without_x64_is_refused_by_name(tmp_path):
     index = next(i for i, s in enumerate(step.signature.state) if s.name.endswith("num_batches_tracked"))
     baked[index] = torch.tensor(2**40, dtype=torch.int64)
     name = step.signature.state[index].name
-    with pytest.raises(DataError, match=rf"baked state slot '{name}' holds int64 values in \[1099511627776, "):
+    with pytest.raises(
+        DataError, match=rf"baked state slot '{name}' holds int64 values in \[1099511627776, "
+    ):
         compiled.export(tmp_path / "step.jax", baked_state=baked)
     assert not (tmp_path / "step.jax").exists()
     baked[index] = torch.tensor(5, dtype=torch.int64)
