@@ -9,6 +9,8 @@
 #          a full-size row's cold compile took 109 s on a v5e, so ROW_SECONDS defaults to 300);
 #   tests  the tpu-marked tests under TEST_PATHS (default packages) in one process (one program at a time
 #          can hold the chip); TEST_ARGS adds pytest options;
+#   cmd    the shell command in CMD (CMD_SECONDS, default 300) with this environment ($PY is the Python),
+#          e.g. CMD='$PY -m recir.dlrmv3 parity --target tpu --matmul_precision high';
 #   rss    the host memory (VmRSS, getrusage's peak) after each start-up step: JAX's import, its TPU client
 #          (jax.devices()), a first array, torch, torchax, RecIR's lowering, a tiny compiled step (the
 #          full-size runs' 16-17 GiB host peak is not attributed yet). Not in the default STAGES.
@@ -74,6 +76,11 @@ if has tests; then
   # shellcheck disable=SC2086
   timeout "${TEST_SECONDS:-300}" "$PY" -m pytest ${TEST_PATHS:-packages} -m tpu -q -p no:cacheprovider -rfE ${TEST_ARGS:-} \
     2>&1 | tee "$OUT/tpu-tests.log" | tail -40
+fi
+if has cmd; then
+  el "cmd: ${CMD:-}"
+  export PY
+  timeout "${CMD_SECONDS:-300}" bash -c "${CMD:-true}" 2>&1 | tee "$OUT/cmd.log" | tail -60
 fi
 if has rss; then
   el "rss: host memory after each start-up step"
