@@ -62,7 +62,12 @@ def test_dlrmv3_bad_precision(capsys):
 def test_dlrmv3_matmul_precision_sets_torch_and_reaches_the_tpu_step(capsys):
     """--matmul_precision sets torch's float32 product precision for the run; the TPU path's step follows it
     (float32 products at `high`: three bf16 passes on a TPU, the CPU backend's float32 unchanged)."""
-    before = torch.get_float32_matmul_precision()
+    # set_float32_matmul_precision("highest") leaves the backends' fp32_precision at "ieee", not the
+    # default "none": a state Inductor's cache key reads, so restore those flags themselves
+    knobs = [
+        m for m in (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if hasattr(m, "fp32_precision")
+    ]
+    before, flags = torch.get_float32_matmul_precision(), [m.fp32_precision for m in knobs]
     try:
         opts = TrainOptions(**TINY, target="tpu", matmul_precision="high")
         model, data, optimizers = build(opts)
@@ -72,6 +77,9 @@ def test_dlrmv3_matmul_precision_sets_torch_and_reaches_the_tpu_step(capsys):
         assert torch.isfinite(trainer.step(data.train_batch(0))[0])
     finally:
         torch.set_float32_matmul_precision(before)
+        for m, value in zip(knobs, flags):
+            m.fp32_precision = value
+    assert torch.get_float32_matmul_precision() == before
     with pytest.raises(ConfigError, match="--matmul_precision 'tf32'.*highest, high, medium"):
         TrainOptions(matmul_precision="tf32").check()
     with pytest.raises(SystemExit) as info:
