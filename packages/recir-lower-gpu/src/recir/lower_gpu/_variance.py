@@ -7,7 +7,7 @@ triples with divisions and shuffles (``welford_vec_reduce_all``): per row of DLR
 (width 64) that costs more than the row's arithmetic. Two plain sums vectorise and end in one cheap
 horizontal add each. Both are stable (the two-pass algorithm subtracts the mean before squaring); the
 results agree to float rounding. Measured on a 2-core AMD EPYC (AVX-512), one thread, the cached-history
-candidates artifact of DLRMv3's serving model at batch 256 (bf16): 82-84 -> 48-49 ms per batch, where a
+candidates artifact of DLRMv3's serving model at batch 256 (bf16): 82-84 -> 46-55 ms per batch, where a
 profile put 40% of the generated kernels' time in the Welford helpers.
 
 Only float32/float64 reductions of at most :data:`MAX_ELEMENTS` statically known elements are rewritten
