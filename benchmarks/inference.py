@@ -1,8 +1,9 @@
 """DLRMv3 serving speed: ms/batch and users/s of eager `model.eval()`, the GPU-path artifact (an
 AOTInductor `.pt2`) and the TPU-path artifact (`jax.export`), scoring whole sequences and with the
 cached-history swap (`recir-dlrmv3 export --serving cached-history`: the serving graph split by
-`recir.transforms.cached_history`), at several batch sizes; ratios against eager full-sequence scoring
-measured in the same run. Eager cached history: the hand-written `HistoryEncoder` / `CandidateScorer`.
+`recir.transforms.cached_history`), at several batch sizes. `x eager`: against eager full-sequence scoring, timed
+just before the row in each round (the median of the rounds' ratios, so the machine's drift between
+minutes cancels). Eager cached history: the hand-written `HistoryEncoder` / `CandidateScorer`.
 
 Not a test. Every user carries `--candidates` candidates (64). Cached-history rows are timed twice: a
 user's first request (history encoded, then candidates scored) and a repeat request (the history cache
@@ -23,20 +24,35 @@ from pathlib import Path
 from typing import Any
 
 
-def _timed(fn: Callable[[], Any], rounds: int, min_seconds: float) -> float:
-    """Median over `rounds` of the mean ms per call, each round at least `min_seconds` long."""
+def _calls_per_round(fn: Callable[[], Any], min_seconds: float) -> int:
     fn()  # warm-up
     started = time.perf_counter()
     fn()
-    per_call = max(time.perf_counter() - started, 1e-6)
-    n = max(2, int(min_seconds / per_call))
-    out = []
+    return max(2, int(min_seconds / max(time.perf_counter() - started, 1e-6)))
+
+
+def _mean_ms(fn: Callable[[], Any], n: int) -> float:
+    started = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - started) / n * 1000
+
+
+def _timed(
+    fn: Callable[[], Any], rounds: int, min_seconds: float, ref: Callable[[], Any] | None = None
+) -> tuple[float, float]:
+    """(median over `rounds` of the mean ms per call, each round at least `min_seconds` long; the median
+    of the rounds' ratios ref ms / fn ms). With `ref`, each round times `ref` just before `fn`, so a
+    ratio compares two stretches of the same minute: on a shared machine whose speed drifts by 10-20%
+    between minutes, the ratio of two medians taken minutes apart drifts with it. Without, the ratio is 1."""
+    n = _calls_per_round(fn, min_seconds)
+    n_ref = _calls_per_round(ref, min_seconds) if ref is not None else 0
+    ms, ratios = [], []
     for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - started) / n * 1000)
-    return statistics.median(out)
+        ref_ms = _mean_ms(ref, n_ref) if ref is not None else 0.0
+        ms.append(_mean_ms(fn, n))
+        ratios.append(ref_ms / ms[-1] if ref is not None else 1.0)
+    return statistics.median(ms), statistics.median(ratios)
 
 
 def _pin(threads: int) -> str:
@@ -62,11 +78,11 @@ def _time_cached(
     hist_fn: Callable[[], Any],
     cand_fn: Callable[[Any], Any],
     sync: Callable[[Any], Any],
-    time_it: Callable[[Callable[[], Any]], float],
+    time_it: Callable[[Callable[[], Any]], tuple[float, float]],
     delta: Callable[[Any], float],
-) -> tuple[float, float, float]:
-    """(ms of a first request: history then candidates, ms of a repeat: candidates against the kept
-    cache, max |logit delta|) of one stack's two artifacts: `hist_fn()` -> the cache, `cand_fn(cache)`
+) -> tuple[tuple[float, float], tuple[float, float], float]:
+    """((ms, x eager) of a first request: history then candidates, (ms, x eager) of a repeat: candidates
+    against the kept cache, max |logit delta|) of one stack's two artifacts: `hist_fn()` -> the cache, `cand_fn(cache)`
     -> logits, on the request batch each closes over."""
     import jax
 
@@ -78,8 +94,11 @@ def _time_cached(
     return first, repeat, got
 
 
-def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str, float, float]]:
-    """[(row name, ms per batch, max |logit delta| against eager)] at batch size B."""
+def _bench_batch(
+    args: argparse.Namespace, B: int, work: Path
+) -> list[tuple[str, tuple[float, float], float]]:
+    """[(row name, (ms per batch, x eager), max |logit delta| against eager)] at batch size B; x eager: the
+    median of each round's ratio against eager full-sequence scoring timed just before it."""
     import jax
     import numpy as np
     import torch
@@ -115,8 +134,13 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     batch.max_seq_len = history.max_seq_len  # the serving normaliser on every path
     real = torch.arange(args.candidates)[None, :] < batch.num_candidates[:, None]
     flat = pytree.tree_leaves(batch)
-    rows: list[tuple[str, float, float]] = []
-    time_it = lambda fn: _timed(fn, args.rounds, args.min_seconds)  # noqa: E731
+    rows: list[tuple[str, tuple[float, float], float]] = []
+
+    def eager() -> Any:  # the reference every row is timed against, in the same rounds
+        with torch.no_grad():
+            return model(batch)
+
+    time_it = lambda fn: _timed(fn, args.rounds, args.min_seconds, ref=eager)  # noqa: E731
 
     def delta(got: Any) -> float:
         got = got if isinstance(got, torch.Tensor) else torch.from_numpy(np.array(got))  # jax.Array
@@ -135,7 +159,7 @@ def _bench_batch(args: argparse.Namespace, B: int, work: Path) -> list[tuple[str
     model.eval()
     with torch.no_grad():
         expected = model(batch)
-        rows.append(("eager eval(), full sequence", time_it(lambda: model(batch)), 0.0))
+        rows.append(("eager eval(), full sequence", _timed(eager, args.rounds, args.min_seconds), 0.0))
     for tag, graph in graphs:
         tensors = graph.init_state(model, optimizers)
         stem = f"full.{B}{tag.replace(' ', '.')}"
@@ -251,16 +275,15 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         for B in sizes:
             rows = _bench_batch(args, B, work)
-            eager = rows[0][1]
-            full = {name.split(",")[0]: ms for name, ms, _ in rows if name.endswith("full sequence")}
+            full = {name.split(",")[0]: ms for name, (ms, _), _ in rows if name.endswith("full sequence")}
             print(f"\nbatch {B} ({B * args.candidates} candidates)")
             print(
                 f"{'path':<66} {'ms/batch':>9} {'users/s':>9} {'x eager':>8} {'x full':>7} {'max |dlogit|':>12}"
             )
-            for name, ms, d in rows:
+            for name, (ms, x_eager), d in rows:
                 stack = "eager eval()" if name.startswith("eager") else name.split(",")[0]
                 x_full = f"{full[stack] / ms:>7.2f}" if "cached" in name and stack in full else f"{'':>7}"
-                print(f"{name:<66} {ms:>9.2f} {B / (ms / 1000):>9.1f} {eager / ms:>8.2f} {x_full} {d:>12.1e}")
+                print(f"{name:<66} {ms:>9.2f} {B / (ms / 1000):>9.1f} {x_eager:>8.2f} {x_full} {d:>12.1e}")
 
 
 if __name__ == "__main__":
