@@ -144,3 +144,69 @@ def test_mixed_precision_broken_variant_is_caught():
     with pytest.raises(VerificationError) as info:
         Pipeline([_NoCastBack()], verify_level=2).run(step)
     assert info.value.invariant == "INV-4" and info.value.transform == "recir-test-broken-mixed-precision"
+
+
+def _cat_step(also_sum: bool):
+    """out = cat([silu(x @ w1), x @ w1, x]) @ w2 (the STU's concat[u, attn, y] before its output product);
+    `also_sum`: a loss also reads the concatenation itself."""
+
+    def fn(state, batch):
+        (w1, w2), (x,) = state, batch
+        h = x @ w1
+        cat = torch.cat([torch.nn.functional.silu(h), h, x], dim=-1)
+        loss = (cat @ w2).sum() + (cat.sum() if also_sum else 0.0)
+        mark_phase("optimizer")
+        return [w1 * 0.5, w2 * 0.5], [loss]
+
+    return trace_step(
+        fn,
+        {"param:w1": ("param", torch.randn(4, 4)), "param:w2": ("param", torch.randn(12, 3))},
+        {"x": ("dense", torch.randn(5, 4))},
+        ["loss"],
+    )
+
+
+def _products(step, target):
+    return [n for n in step.graph.nodes if n.target is target]
+
+
+def test_mixed_precision_casts_a_concatenation_by_its_parts():
+    step, s, b = _cat_step(also_sum=False)
+    assert MixedPrecision().run(step).changed
+    (cat,) = _products(step, _aten.cat.default)
+    # the parts are cast, not the concatenation: its producers write bf16 straight into it
+    assert cat.meta["val"].dtype == torch.bfloat16
+    h_low = _products(step, _aten.mm.default)[0]
+    # x @ w1's bf16 result is the part itself (bf16 -> fp32 -> bf16 is exact): no cast of its fp32 copy
+    assert h_low in cat.args[0] and h_low.meta["val"].dtype == torch.bfloat16
+    (out,) = [n for n in _products(step, _aten.mm.default) if n.args[0] is cat]
+    verify(step, level=2)
+    # exactly the values of casting the fp32 concatenation (cat commutes with a cast)
+    ref, _, _ = _cat_step(also_sum=False)
+    for node in list(ref.graph.nodes):  # the reference: the products on casts of their fp32 operands
+        if node.target is _aten.mm.default:
+            with ref.graph.inserting_before(node):
+                low = [
+                    ref.graph.call_function(_aten._to_copy.default, (a,), {"dtype": torch.bfloat16})
+                    for a in node.args
+                ]
+                new = ref.graph.call_function(_aten.mm.default, tuple(low))
+            with ref.graph.inserting_after(new):
+                back = ref.graph.call_function(_aten._to_copy.default, (new,), {"dtype": torch.float32})
+            node.replace_all_uses_with(back)
+            ref.graph.erase_node(node)
+    ref.graph_module.recompile()
+    got_state, got_out = run_steps(step, s, b, n=1)
+    want_state, want_out = run_steps(ref, s, b, n=1)
+    assert torch.equal(got_out[0], want_out[0])
+    assert all(torch.equal(x, y) for x, y in zip(got_state, want_state))
+
+
+def test_mixed_precision_casts_a_concatenation_other_ops_read_whole():
+    step, _, _ = _cat_step(also_sum=True)
+    assert MixedPrecision().run(step).changed
+    (cat,) = _products(step, _aten.cat.default)
+    assert cat.meta["val"].dtype == torch.float32  # the loss reads it in fp32: one fp32 concatenation
+    casts = [n for n in step.graph.nodes if n.target is _aten._to_copy.default and n.args[0] is cat]
+    assert len(casts) == 1 and casts[0].kwargs["dtype"] == torch.bfloat16
+    verify(step, level=2)

@@ -133,8 +133,12 @@ class MixedPrecision(Transform):
                 _back_to_fp32(graph, node, node)
             name = str(node.target.overloadpacket.__name__)
             rewritten[name] = rewritten.get(name, 0) + 1
-        for src in reversed(list(casts)):  # fp32 views only the products read are dead now
-            if src.op == "call_function" and src.target in _VIEWS and not src.users:
+        for src in reversed(list(casts)):  # fp32 views and concatenations only the products read are dead now
+            if (
+                src.op == "call_function"
+                and (src.target in _VIEWS or src.target is _aten.cat.default)
+                and not src.users
+            ):
                 graph.erase_node(src)
         if rewritten:
             step.graph_module.recompile()
@@ -148,21 +152,62 @@ class MixedPrecision(Transform):
         """The low-precision copy of ``src`` (memoised), created before ``user`` in its phase."""
         if src in memo:
             return memo[src]
-        base = src.args[0] if src.op == "call_function" and src.target in _VIEWS and src.args else None
+        call = src.op == "call_function"
+        if call and src.target is _aten._to_copy.default and set(src.kwargs) == {"dtype"}:
+            origin = src.args[0]
+            if (
+                isinstance(origin, fx.Node)
+                and node_val(origin) is not None
+                and node_val(origin).dtype == dtype
+            ):
+                memo[src] = origin  # a low value widened to fp32 (a product's result): itself, exactly
+                return origin
+        base = src.args[0] if call and src.target in _VIEWS and src.args else None
         if isinstance(base, fx.Node) and node_val(base) is not None and node_val(base).dtype == torch.float32:
             target, args = src.target, (self._low(graph, base, dtype, user, memo), *src.args[1:])
+        elif call and src.target is _aten.cat.default and self._cat_of_fp32_for_products(src):
+            # cat(a, b).to(low) == cat(a.to(low), b.to(low)): the parts' producers write the low copy
+            # straight into the concatenation (no fp32 concatenation written, read and cast)
+            parts = [self._low(graph, p, dtype, user, memo) for p in src.args[0]]
+            target, args = src.target, (parts, *src.args[1:])
         else:
             target, args = _aten._to_copy.default, (src,)
         suffix = "bf16" if dtype == torch.bfloat16 else "f16"
         kwargs = {"dtype": dtype} if target is _aten._to_copy.default else dict(src.kwargs)
         with graph.inserting_before(user):
             low = graph.create_node("call_function", target, args, kwargs, name=f"{src.name}_{suffix}")
-        fake = [node_val(a) if isinstance(a, fx.Node) else a for a in args]
+        fake = fx.node.map_arg(args, node_val)
         low.meta.update({PHASE_KEY: user.meta[PHASE_KEY], "val": target(*fake, **kwargs)})
         if SCOPE_KEY in user.meta:
             low.meta[SCOPE_KEY] = user.meta[SCOPE_KEY]
         memo[src] = low
         return low
+
+    def _cat_of_fp32_for_products(self, cat: fx.Node) -> bool:
+        """True when ``cat`` joins fp32 values and only products this transform rewrites read it (through
+        views): casting its parts then costs no more than casting it, and no fp32 copy stays needed."""
+        parts = cat.args[0]
+        if not isinstance(parts, (list, tuple)) or not all(
+            isinstance(p, fx.Node) and node_val(p) is not None and node_val(p).dtype == torch.float32
+            for p in parts
+        ):
+            return False
+        readers, seen = list(cat.users), set()
+        while readers:
+            node = readers.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.op == "call_function" and node.target in _VIEWS:
+                readers.extend(node.users)
+            elif not (
+                node.op == "call_function"
+                and node.target in _MATMULS
+                and node.target.overloadpacket.__name__ in self.options.ops
+                and node.meta.get(PHASE_KEY) in self.options.phases
+            ):
+                return False
+        return True
 
 
 def _back_to_fp32(graph: fx.Graph, value: fx.Node, op: fx.Node) -> None:
