@@ -159,7 +159,10 @@ def test_cpu_packages_add_the_bias_after_the_product(tmp_path):
         path = package(torch.export.export(model, (x,)).run_decompositions(), tmp_path / f"{name}.pt2")
         with zipfile.ZipFile(path) as z:
             code = "".join(z.read(f).decode() for f in z.namelist() if f.endswith(".cpp"))
+            # the archive's entries are named after the package, not the temporary file it was written as
+            assert {f.split("/")[0] for f in z.namelist()} == {name}, z.namelist()[:3]
         assert "cpu_mm_out" in code and "cpu_addmm_out" not in code, name
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"rows.pt2", f"{name}.pt2"}), name
         got = torch._inductor.aoti_load_package(str(path))(x)
         torch.testing.assert_close(got, model(x), rtol=0, atol=1e-6)
     # addmm's beta=0 ignores its bias (even NaN); alpha scales the product

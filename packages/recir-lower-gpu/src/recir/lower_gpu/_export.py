@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -120,15 +121,19 @@ def package(program: torch.export.ExportedProgram, path: str | os.PathLike[str])
     by hand (e.g. an application's serving modules); :func:`export` does this for a StepGraph."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.pt2")
+    # Written under its own name in a private directory beside the target, then moved over it: the
+    # archive's entries are named after the file's stem, so they carry the target's name, not a temporary one.
+    tmp_dir = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp = tmp_dir / (target.name if target.suffix == ".pt2" else f"{target.name}.pt2")
     try:
+        tmp_dir.mkdir()
         with _no_global_side_effects():
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(tmp), inductor_configs=_aoti_configs(program)
             )
         os.replace(tmp, target)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return target
 
 

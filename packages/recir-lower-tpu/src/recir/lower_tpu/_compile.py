@@ -231,8 +231,7 @@ class TPUCompiledStep:
         for check in self.host_checks:  # DataError before anything runs on the device
             check(flat)
         if not self.x64:
-            for slot, t in zip(sig.batch, flat):
-                check_int32("batch input", slot.name, t)
+            check_int32("batch input", sig.batch, flat)
         with self._x64():
             jstate = [
                 to_jax(x, sh, owned=True) if isinstance(x, torch.Tensor) else x
@@ -295,8 +294,7 @@ class TPUCompiledStep:
         if baked_state is not None:
             sig.check_state(baked_state, "TPUCompiledStep.export(baked_state=)")
             if not self.x64:  # baked as int32 constants, they would wrap as state would (_put_state)
-                for slot, t in zip(sig.state, baked_state):
-                    check_int32("baked state slot", slot.name, t)
+                check_int32("baked state slot", sig.state, baked_state)
         targets = _export_platforms(platforms)
         with self._x64():
             state = [jax.ShapeDtypeStruct(s.shape, jax_dtype(s.dtype)) for s in sig.state]
@@ -379,9 +377,8 @@ class TPUCompiledStep:
         pending: list[torch.Tensor | None] = list(tensors)
         del tensors  # each source is dropped once copied (with `release`, the caller drops its own too)
         if not self.x64:  # every slot before the first copy: `release` must not have dropped any yet
-            for slot, t in zip(self.step.signature.state, pending):
-                assert t is not None
-                check_int32("state slot", slot.name, t)
+            assert all(t is not None for t in pending)
+            check_int32("state slot", self.step.signature.state, pending)
         with self._x64():
             state = []
             for i, (slot, sh) in enumerate(zip(self.step.signature.state, self._state_shardings)):
@@ -439,19 +436,21 @@ def _export_platforms(platforms: Sequence[str] | None) -> tuple[str, ...] | None
 _INT32 = (-(2**31), 2**31 - 1)
 
 
-def check_int32(what: str, name: str, t: torch.Tensor) -> None:
-    """DataError for a 64-bit integer ``what`` (``batch input``, ``state slot``) with a value outside int32,
-    for a step without x64: JAX would narrow it to int32 and the value would wrap silently."""
-    if t.dtype != torch.int64 or t.numel() == 0:
-        return
-    lo, hi = (int(v) for v in torch.aminmax(t.detach()))
-    if lo < _INT32[0] or hi > _INT32[1]:
-        raise DataError(
-            f"{what} {name!r} holds int64 values in [{lo}, {hi}], outside int32, and this step runs without "
-            "x64 (TPUOptions(x64=None) turns it off for graphs without 64-bit integer maths), where they would "
-            "wrap silently. Fix: compile with TPUOptions(x64=True), or bring the values into int32 range first "
-            "(e.g. timestamps relative to a base time)."
-        )
+def check_int32(what: str, slots: Sequence[Any], tensors: Sequence[torch.Tensor]) -> None:
+    """DataError for a 64-bit integer tensor of ``tensors`` (``what``: ``batch input``, ``state slot``;
+    named by its slot of ``slots``) with a value outside int32, for a step without x64: JAX would narrow it
+    to int32 and the value would wrap silently."""
+    for slot, t in zip(slots, tensors):
+        if t.dtype != torch.int64 or t.numel() == 0:
+            continue
+        lo, hi = (int(v) for v in torch.aminmax(t.detach()))
+        if lo < _INT32[0] or hi > _INT32[1]:
+            raise DataError(
+                f"{what} {slot.name!r} holds int64 values in [{lo}, {hi}], outside int32, and this step runs "
+                "without x64 (TPUOptions(x64=None) turns it off for graphs without 64-bit integer maths), where "
+                "they would wrap silently. Fix: compile with TPUOptions(x64=True), or bring the values into "
+                "int32 range first (e.g. timestamps relative to a base time)."
+            )
 
 
 def needs_x64(step: StepGraph) -> bool:
