@@ -135,3 +135,11 @@ def test_export_for_named_platforms(tmp_path):
     _, (expected,) = serving(state, batch)
     got = _run_with_jax_alone(tmp_path, state, serving.signature.flatten_batch(batch), manifest["batch"])
     np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
+    # baked for a TPU, the constants reach the program through an optimization barrier (XLA's simplifier
+    # otherwise folds a product of constants into a broadcast the TPU verifier rejects); not for the CPU
+    for platforms, barrier in ((("tpu", "cpu"), True), (("cpu",), False)):
+        compiled.export(tmp_path / "model.jaxexport", baked_state=state, platforms=platforms)
+        exp = jax.export.deserialize(bytearray((tmp_path / "model.jaxexport").read_bytes()))
+        assert ("optimization_barrier" in exp.mlir_module()) == barrier, platforms
+        got = _run_with_jax_alone(tmp_path, [], serving.signature.flatten_batch(batch), manifest["batch"])
+        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)

@@ -306,9 +306,16 @@ class TPUCompiledStep:
                 device = jax.devices()[0]
                 constants = [to_jax(t, jax.sharding.SingleDeviceSharding(device)) for t in baked_state]
                 fn = self._fn
+                # For a TPU, the constants pass an optimization barrier: XLA's algebraic simplifier
+                # rewrites a product of two constants, a broadcast row times a weight (DLRMv3's candidate
+                # graph: the action MLP on the expanded `action_encoder.target`), into a broadcast that
+                # the TPU compiler's verifier rejects after layout (RET_CHECK, hlo_verifier.cc:1515; jax
+                # 0.10.2, 1024 rows and more). The barrier hides the values, not the shapes.
+                hide = "tpu" in (targets or (jax.default_backend(),))
 
                 def serve(batch: list[jax.Array]) -> Any:
-                    return fn(constants, batch)[1]  # closed over: StableHLO constants
+                    values = jax.lax.optimization_barrier(constants) if hide else constants
+                    return fn(values, batch)[1]  # closed over: StableHLO constants
 
                 exported = jax_export.export(jax.jit(serve), platforms=targets)(batch)
                 out_avals = exported.out_avals
