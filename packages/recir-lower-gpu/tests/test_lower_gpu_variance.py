@@ -33,9 +33,15 @@ def test_two_pass_variance_equals_var_mean(shape, dims, correction, keepdim):
     assert two_pass_variance(gm.graph) == 1
     gm.recompile()
     assert torch.ops.aten.var_mean.correction not in {n.target for n in gm.graph.nodes}
-    for got, want in zip(gm(x), fn(x)):
+    outputs = gm(x)
+    for got, want in zip(outputs, fn(x)):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # every node the rewrite made carries its value's metadata, as Inductor's later passes read it
+    (returned,) = [n for n in gm.graph.nodes if n.op == "output"]
+    for node, got in zip(returned.args[0], outputs):
+        assert node.meta["val"].shape == got.shape and node.meta["val"].dtype == got.dtype
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
 
 
 def test_long_low_precision_and_non_cpu_reductions_keep_welford():

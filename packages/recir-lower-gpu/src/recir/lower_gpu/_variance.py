@@ -69,18 +69,26 @@ def two_pass_variance(graph: fx.Graph) -> int:
         correction = 1 if correction is None else correction
         keepdim = bool(node.kwargs.get("keepdim", False))
         with graph.inserting_before(node):
-            mean = graph.call_function(aten.mean.dim, (x, dims, True))
-            diff = graph.call_function(aten.sub.Tensor, (x, mean))
-            square = graph.call_function(aten.mul.Tensor, (diff, diff))
-            total = graph.call_function(aten.sum.dim_IntList, (square, dims, keepdim))
-            var = graph.call_function(aten.div.Tensor, (total, max(count - correction, 0)))
-            out_mean = mean if keepdim else graph.call_function(aten.squeeze.dims, (mean, dims))
+            mean = _call(graph, aten.mean.dim, x, dims, True)
+            diff = _call(graph, aten.sub.Tensor, x, mean)
+            square = _call(graph, aten.mul.Tensor, diff, diff)
+            total = _call(graph, aten.sum.dim_IntList, square, dims, keepdim)
+            var = _call(graph, aten.div.Tensor, total, max(count - correction, 0))
+            out_mean = mean if keepdim else _call(graph, aten.squeeze.dims, mean, dims)
         for use in users:
             use.replace_all_uses_with(var if use.args[1] == 0 else out_mean)
             graph.erase_node(use)
         graph.erase_node(node)
         rewritten += 1
     return rewritten
+
+
+def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    """A new ``target(*args)`` node carrying ``meta["val"]`` (computed on its inputs' values, fake tensors
+    under Inductor), as Inductor's later passes and its lowering expect of every node."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
+    return node
 
 
 class TwoPassVariance(CustomGraphPass):
