@@ -39,17 +39,17 @@ def _mean_ms(fn: Callable[[], Any], n: int) -> float:
 
 
 def _timed(
-    fn: Callable[[], Any], rounds: int, min_seconds: float, ref: Callable[[], Any] | None = None
+    fn: Callable[[], Any], rounds: int, min_seconds: float, ref: tuple[Callable[[], Any], int] | None = None
 ) -> tuple[float, float]:
     """(median over `rounds` of the mean ms per call, each round at least `min_seconds` long; the median
-    of the rounds' ratios ref ms / fn ms). With `ref`, each round times `ref` just before `fn`, so a
+    of the rounds' ratios ref ms / fn ms). With `ref` = (function, calls per round), each round times the
+    function just before `fn`, so a
     ratio compares two stretches of the same minute: on a shared machine whose speed drifts by 10-20%
     between minutes, the ratio of two medians taken minutes apart drifts with it. Without, the ratio is 1."""
     n = _calls_per_round(fn, min_seconds)
-    n_ref = _calls_per_round(ref, min_seconds) if ref is not None else 0
     ms, ratios = [], []
     for _ in range(rounds):
-        ref_ms = _mean_ms(ref, n_ref) if ref is not None else 0.0
+        ref_ms = _mean_ms(*ref) if ref is not None else 0.0
         ms.append(_mean_ms(fn, n))
         ratios.append(ref_ms / ms[-1] if ref is not None else 1.0)
     return statistics.median(ms), statistics.median(ratios)
@@ -140,8 +140,6 @@ def _bench_batch(
         with torch.no_grad():
             return model(batch)
 
-    time_it = lambda fn: _timed(fn, args.rounds, args.min_seconds, ref=eager)  # noqa: E731
-
     def delta(got: Any) -> float:
         got = got if isinstance(got, torch.Tensor) else torch.from_numpy(np.array(got))  # jax.Array
         return float((got - expected)[real].abs().max())
@@ -160,6 +158,8 @@ def _bench_batch(
     with torch.no_grad():
         expected = model(batch)
         rows.append(("eager eval(), full sequence", _timed(eager, args.rounds, args.min_seconds), 0.0))
+    reference = (eager, _calls_per_round(eager, args.min_seconds))  # sized once for every row
+    time_it = lambda fn: _timed(fn, args.rounds, args.min_seconds, ref=reference)  # noqa: E731
     for tag, graph in graphs:
         tensors = graph.init_state(model, optimizers)
         stem = f"full.{B}{tag.replace(' ', '.')}"
