@@ -91,22 +91,24 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         "gpu+regions": {"regions": "repeated"},
         "gpu+whole": {"regions": "whole"},
     }
-    gpu_like = (*variants, "gpu+welford")
+    # train's default with one CPU kernel choice put back to Inductor's own
+    inductor_own = {"gpu+welford": {"cpu_variance": "welford"}, "gpu+sleef": {"cpu_sigmoid": "sleef"}}
+    gpu_like = (*variants, *inductor_own)
     target = "eager" if args.target == "torch.compile" else "gpu" if args.target in gpu_like else args.target
     options = None
     if args.target in variants:
         from recir.lower_gpu import GPUOptions
 
         options = GPUOptions(**variants[args.target])
-    elif args.target in ("gpu", "gpu+welford"):
+    elif args.target == "gpu" or args.target in inductor_own:
         import dataclasses
 
         from recir.dlrmv3._train import gpu_options
         from recir.lower_gpu import GPUOptions
 
         options = gpu_options(opts)
-        if args.target == "gpu+welford":  # train's default but Inductor's own Welford variances on the CPU
-            options = dataclasses.replace(options or GPUOptions(), cpu_variance="welford")
+        if args.target in inductor_own:
+            options = dataclasses.replace(options or GPUOptions(), **inductor_own[args.target])
     trainer = make_trainer(
         target,
         model,
@@ -230,7 +232,8 @@ def main() -> None:
         "--targets",
         default="eager,gpu,tpu",
         help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, gpu+whole, "
-        "gpu+welford (Inductor's Welford variances on the CPU), tpu (default %(default)s)",
+        "gpu+welford (Inductor's Welford variances on the CPU), gpu+sleef (Inductor's SLEEF exp in the CPU sigmoid), "
+        "tpu (default %(default)s)",
     )
     p.add_argument(
         "--device",

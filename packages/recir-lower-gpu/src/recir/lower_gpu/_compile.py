@@ -31,6 +31,7 @@ from ._options import GPUOptions
 from ._pipeline import InPlaceEpilogue, SplitRepeatedRegions, collectives, gpu_pipeline
 from ._private_apis import check_private_apis
 from ._regions import RegionsFn, RegionSplit, compile_regions
+from ._sigmoid import sigmoid_codegen
 from ._step import GPUCompiledStep
 
 log = logging.getLogger("recir.lower_gpu")
@@ -74,6 +75,7 @@ def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: Fake
     context = torch._guards.TracingContext(fake_mode)
     with (
         inductor_config.patch(patches),
+        sigmoid_codegen(patches),
         functorch_config.patch(enable_autograd_cache=bool(patches.get("fx_graph_cache", True))),
         torch._guards.tracing(context),
     ):

@@ -29,6 +29,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from ._compile import resolve_device
 from ._prepare import copy_graph_module, retarget_devices
+from ._sigmoid import CpuSigmoidMode, sigmoid_codegen, sigmoid_patches
 from ._variance import TwoPassVariance
 
 log = logging.getLogger("recir.lower_gpu")
@@ -101,24 +102,36 @@ class UnfuseCpuAddmm(CustomGraphPass):
         return get_hash_for_files((__file__,))
 
 
-def _aoti_configs(program: torch.export.ExportedProgram) -> dict[str, Any]:
-    """Inductor settings for packaging ``program``: on the CPU, :class:`UnfuseCpuAddmm` after post-grad
-    and short variances in two passes (``recir.lower_gpu._variance``, before post-grad).
+def _aoti_configs(program: torch.export.ExportedProgram, cpu_sigmoid: CpuSigmoidMode) -> dict[str, Any]:
+    """Inductor settings for packaging ``program``: on the CPU, :class:`UnfuseCpuAddmm` after post-grad,
+    short variances in two passes (``recir.lower_gpu._variance``, before post-grad) and the sigmoid's
+    exponential ``cpu_sigmoid`` (``recir.lower_gpu._sigmoid``).
     DLRMv3's full-sequence serving artifact at batch 256 (2-core Xeon, two alternating pairs): 288 / 327
     -> 254 / 263 ms (11 addmm per batch, each copying its bias first; 6% of the time in those copies)."""
     vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
     devices = {v.device.type for v in vals if isinstance(v, torch.Tensor)}
     if not devices <= {"cpu"}:
         return {}
-    return {"post_grad_custom_pre_pass": TwoPassVariance(), "post_grad_custom_post_pass": UnfuseCpuAddmm()}
+    return {
+        "post_grad_custom_pre_pass": TwoPassVariance(),
+        "post_grad_custom_post_pass": UnfuseCpuAddmm(),
+        **sigmoid_patches(cpu_sigmoid),
+    }
 
 
-def package(program: torch.export.ExportedProgram, path: str | os.PathLike[str]) -> Path:
+def package(
+    program: torch.export.ExportedProgram,
+    path: str | os.PathLike[str],
+    *,
+    cpu_sigmoid: CpuSigmoidMode = "fast",
+) -> Path:
     """AOTInductor-compile ``program`` into the package ``path`` (written atomically; a ``.pt2`` that
     loads with torch alone), leaving the process's Inductor config and environment as they were, so later
     compiles in this process key and cache as a fresh process does. On the CPU the bias of each
-    ``linear``/``addmm`` is added after the product (:class:`UnfuseCpuAddmm`). For programs exported
-    by hand (e.g. an application's serving modules); :func:`export` does this for a StepGraph."""
+    ``linear``/``addmm`` is added after the product (:class:`UnfuseCpuAddmm`) and ``cpu_sigmoid`` picks the
+    sigmoid's exponential (``GPUOptions.cpu_sigmoid``). For programs exported by hand (e.g. an
+    application's serving modules); :func:`export` does this for a StepGraph."""
+    configs = _aoti_configs(program, cpu_sigmoid)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Written under its own name in a private directory beside the target, then moved over it: the
@@ -127,10 +140,8 @@ def package(program: torch.export.ExportedProgram, path: str | os.PathLike[str])
     tmp = tmp_dir / (target.name if target.suffix == ".pt2" else f"{target.name}.pt2")
     try:
         tmp_dir.mkdir()
-        with _no_global_side_effects():
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(tmp), inductor_configs=_aoti_configs(program)
-            )
+        with _no_global_side_effects(), sigmoid_codegen(configs):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -144,12 +155,14 @@ def export(
     device: Any = None,
     extra: Mapping[str, Any] | None = None,
     baked_state: Sequence[torch.Tensor] | None = None,
+    cpu_sigmoid: CpuSigmoidMode = "fast",
 ) -> dict[str, Any]:
     """Write ``step`` as an AOTInductor package to ``path`` (atomically) and a manifest beside it;
     returns the manifest. ``device``: CUDA when present, else the CPU (as ``compile``). ``extra``: more
     manifest fields (e.g. the application's options). ``baked_state``: the state values
     (``step.init_state(model)``) to compile into the package as constants; it then takes the batch
     alone and returns the outputs alone (the manifest's ``state`` is empty, ``baked_state`` lists them).
+    ``cpu_sigmoid``: the exponential of the CPU kernels' sigmoid (``GPUOptions.cpu_sigmoid``).
     """
     from recir.distributed import write_atomically
     from recir.embedding import QUANTIZE_KEY, lower_quantized_lookups, prepare_for_lowering
@@ -185,7 +198,7 @@ def export(
     target = Path(path)
     with _no_global_side_effects():
         program = torch.export.export(module, tuple(example))
-    package(program, target)
+    package(program, target, cpu_sigmoid=cpu_sigmoid)
 
     def spec(name: str, shape: Any, dtype: torch.dtype) -> dict[str, Any]:
         return {"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}

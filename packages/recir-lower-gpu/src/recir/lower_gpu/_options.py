@@ -12,6 +12,8 @@ from typing import Any, Literal
 import torch
 from recir.transforms import ConfigError
 
+from ._sigmoid import CPU_SIGMOID_MODES, sigmoid_patches
+
 InductorMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 INDUCTOR_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -81,6 +83,10 @@ class GPUOptions:
       when ``init_state``/``load_state_dict`` build the state, so a row lookup or update stops paying a TLB
       miss per id. Default 256 MiB; ``None``: never. Same values either way; setup pays about 0.25 s per
       100 MiB advised.
+    - ``cpu_sigmoid``: on the CPU device, the exponential in Inductor's vectorised sigmoid (SiLU,
+      SwishLayerNorm and their gradients): ``"fast"`` (the default: ATen's inline ``exp_u20``, sigmoid within
+      3.7e-7 relative of float64's) or ``"sleef"`` (Inductor's own: a SLEEF call per 16 floats, 1.5e-7);
+      recir.lower_gpu._sigmoid.
     """
 
     mode: InductorMode = "default"
@@ -99,6 +105,7 @@ class GPUOptions:
     free_early: bool = True
     cpu_variance: Literal["two_pass", "welford"] = "two_pass"
     huge_pages_min_bytes: int | None = 256 << 20  # recir.embedding.HUGE_PAGES_MIN_BYTES
+    cpu_sigmoid: Literal["fast", "sleef"] = "fast"
 
     def __post_init__(self) -> None:
         if self.mode not in INDUCTOR_MODES:
@@ -121,6 +128,11 @@ class GPUOptions:
             raise ConfigError(
                 f"GPUOptions.cpu_variance: expected 'two_pass' or 'welford', got {self.cpu_variance!r}. "
                 "Fix: 'two_pass' computes short CPU variances as two sums; 'welford' keeps Inductor's reduction."
+            )
+        if self.cpu_sigmoid not in CPU_SIGMOID_MODES:
+            raise ConfigError(
+                f"GPUOptions.cpu_sigmoid: expected one of {CPU_SIGMOID_MODES}, got {self.cpu_sigmoid!r}. "
+                "Fix: 'fast' computes the CPU sigmoid's exponential inline; 'sleef' keeps Inductor's SLEEF call."
             )
         if isinstance(self.inductor_config, dict):
             object.__setattr__(self, "inductor_config", tuple(sorted(self.inductor_config.items())))
@@ -156,6 +168,7 @@ class GPUOptions:
                 from ._variance import TwoPassVariance
 
                 patches["post_grad_custom_pre_pass"] = TwoPassVariance()
+            patches.update(sigmoid_patches(self.cpu_sigmoid))
         from torch._inductor import config as inductor_config
 
         if self.in_place and self.free_early:

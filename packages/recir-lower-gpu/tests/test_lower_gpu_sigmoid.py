@@ -1,0 +1,102 @@
+"""The CPU sigmoid's exponential (recir.lower_gpu._sigmoid, ``GPUOptions.cpu_sigmoid``): ``fast`` writes
+ATen's inline ``exp_u20`` into Inductor's vectorised sigmoid, ``sleef`` keeps Inductor's SLEEF call; both
+train as eager torch.optim does, and the choice is part of Inductor's cache keys."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+import recir.lower_gpu as lg
+import torch
+import torch.nn.functional as F
+from _lower_gpu_steps import mlp_batch, mse_loss, sgd_step_graph
+from recir.transforms import ConfigError
+from torch import nn
+
+_FAST = "exp_u20()"
+_SLEEF = ".neg().exp())"  # Inductor's own vectorised sigmoid: 1 / (1 + exp(-x))
+
+
+class _SiluMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.fc1(x))
+        return self.fc2(h * torch.sigmoid(h))
+
+
+def _kernels(files: list[Path]) -> str:
+    return "".join(p.read_text(errors="replace") for p in files)
+
+
+def _cpp_files(cache_dir: Path) -> set[Path]:
+    return {p for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp")}
+
+
+def _train(model: nn.Module, options: lg.GPUOptions) -> dict:
+    step = sgd_step_graph(model, mse_loss, mlp_batch(0, n=32), lr=0.05, momentum=0.9)
+    compiled = lg.compile(step, device="cpu", options=options)
+    state = compiled.init_state(model, None)
+    for i in range(5):
+        state, _ = compiled(state, mlp_batch(i, n=32))
+    return compiled.state_dict(state)
+
+
+def test_compiled_step_sigmoid_exp_follows_the_option_and_matches_eager(tmp_path):
+    """Forward and backward sigmoids (SiLU, its gradient) use `exp_u20` with `fast` and SLEEF's `exp` with
+    `sleef`; both give torch.optim's parameters and momenta after 5 steps."""
+    torch.manual_seed(0)
+    model = _SiluMLP()
+    states = {}
+    for mode in ("fast", "sleef"):
+        cache = tmp_path / mode
+        states[mode] = _train(model, lg.GPUOptions(cache_dir=str(cache), cpu_sigmoid=mode))  # type: ignore[arg-type]
+        code = _kernels(sorted(_cpp_files(cache)))
+        assert (_FAST in code, _SLEEF in code) == (mode == "fast", mode == "sleef"), mode
+    eager = _SiluMLP()
+    eager.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    for i in range(5):
+        opt.zero_grad()
+        mse_loss(eager, mlp_batch(i, n=32)).backward()
+        opt.step()
+    for name, p in eager.named_parameters():
+        for mode, sd in states.items():
+            torch.testing.assert_close(sd[f"param:{name}"], p.detach(), rtol=1e-5, atol=1e-6, msg=mode)
+            momentum = opt.state[p]["momentum_buffer"]
+            torch.testing.assert_close(sd[f"optim:{name}:momentum_buffer"], momentum, rtol=1e-5, atol=1e-6)
+
+
+def test_the_choice_is_in_inductors_cache_key(tmp_path):
+    """One cache folder, the same step compiled `fast` then `sleef`: the second compile generates its own
+    kernels (SLEEF's call), it does not reuse the first's from the FX-graph or AOTAutograd cache."""
+    torch.manual_seed(0)
+    model = _SiluMLP()
+    _train(model, lg.GPUOptions(cache_dir=str(tmp_path), cpu_sigmoid="fast"))
+    first = _cpp_files(tmp_path)
+    assert _FAST in _kernels(sorted(first)) and _SLEEF not in _kernels(sorted(first))
+    _train(model, lg.GPUOptions(cache_dir=str(tmp_path), cpu_sigmoid="sleef"))
+    assert _SLEEF in _kernels(sorted(_cpp_files(tmp_path) - first))
+
+
+@pytest.mark.parametrize("mode", ["fast", "sleef"])
+def test_cpu_packages_sigmoid_exp_follows_the_option(tmp_path, mode):
+    """`package` (what `export` calls) on the CPU: the sigmoid's exponential as chosen, the model's values."""
+    torch.manual_seed(0)
+    model, x = _SiluMLP().eval(), torch.randn(64, 8)
+    program = torch.export.export(model, (x,)).run_decompositions()
+    path = lg.package(program, tmp_path / "silu.pt2", cpu_sigmoid=mode)  # type: ignore[arg-type]
+    with zipfile.ZipFile(path) as z:
+        code = "".join(z.read(f).decode() for f in z.namelist() if f.endswith(".cpp"))
+    assert (_FAST in code, _SLEEF in code) == (mode == "fast", mode == "sleef")
+    got = torch._inductor.aoti_load_package(str(path))(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_cpu_sigmoid_names_the_choices():
+    with pytest.raises(ConfigError, match="cpu_sigmoid.*'approx'.*fast"):
+        lg.GPUOptions(cpu_sigmoid="approx")  # type: ignore[arg-type]
