@@ -175,3 +175,38 @@ def test_cpu_packages_add_the_bias_after_the_product(tmp_path):
     gm.recompile()
     assert torch.ops.aten.addmm.default not in {n.target for n in gm.graph.nodes}
     torch.testing.assert_close(gm(bias, a, b), 2 * a @ b)
+
+
+@pytest.mark.parametrize("cpu_matmul", ["auto", "aten"])
+def test_cpu_packages_run_float32_products_through_onednn(tmp_path, cpu_matmul):
+    """On the CPU, `package` runs each float32 product of at least MIN_MACS multiply-adds as oneDNN's
+    linear (`mkldnn._linear_pointwise`, torch's own op: the package still loads with torch alone), smaller
+    ones as ATen's mm; `cpu_matmul="aten"` keeps ATen's mm for all. Values: the model's."""
+    import zipfile
+
+    from recir.lower_gpu._onednn import MIN_MACS
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64), torch.nn.Linear(64, 2)
+    ).eval()
+    x = torch.randn(4096, 64)
+    assert 4096 * 64 * 256 >= MIN_MACS > 4096 * 64 * 2  # two large products, one small
+    program = torch.export.export(model, (x,)).run_decompositions()
+    path = lg.package(program, tmp_path / "mlp.pt2", cpu_matmul=cpu_matmul)
+    with zipfile.ZipFile(path) as z:
+        code = "".join(z.read(f).decode() for f in z.namelist() if f.endswith(".cpp"))
+    assert code.count("aoti_torch_cpu__linear_pointwise(") == (2 if cpu_matmul == "auto" else 0)
+    assert code.count("aoti_torch_cpu_mm_out(") == (1 if cpu_matmul == "auto" else 3)
+    torch.save({"state": [], "batch": [x]}, tmp_path / "inputs.pt")
+    child = [sys.executable, "-c", _CHILD, str(path), str(tmp_path / "inputs.pt")]
+    out = subprocess.run(child, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("False")  # no recir module was imported
+    # the package returns the model's tensor, of which the child saved `out[-1]`: the last row
+    torch.testing.assert_close(torch.load(tmp_path / "inputs.pt.out"), model(x)[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch._inductor.aoti_load_package(str(path))(x), model(x), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(ValueError, match="cpu_matmul must be 'auto', 'onednn' or 'aten', got 'mkl'"):
+        lg.package(program, tmp_path / "bad.pt2", cpu_matmul="mkl")  # type: ignore[arg-type]
