@@ -123,3 +123,34 @@ def train_compiled(
         state, out = compiled(state, batch)
         losses.append(out[0])
     return compiled.state_dict(state), torch.stack(losses)
+
+
+def assert_states_match_eager_sgd(
+    model: nn.Module,
+    fresh: nn.Module,
+    states: dict[str, dict],
+    *,
+    n: int,
+    steps: int = 5,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    rtol: float,
+    atol: float,
+) -> None:
+    """Each compiled run's final state dict in ``states`` (name -> ``compiled.state_dict``, trained from
+    ``model`` over ``mlp_batch(0..steps-1, n)``) holds the parameters and momenta that eager
+    ``torch.optim.SGD(lr, momentum)`` reaches from the same start; ``fresh`` is a new instance of
+    ``model``'s class, the eager copy."""
+    fresh.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(fresh.parameters(), lr=lr, momentum=momentum)
+    for i in range(steps):
+        opt.zero_grad()
+        mse_loss(fresh, mlp_batch(i, n=n)).backward()
+        opt.step()
+    for name, p in fresh.named_parameters():
+        for run, sd in states.items():
+            torch.testing.assert_close(sd[f"param:{name}"], p.detach(), rtol=rtol, atol=atol, msg=run)
+            momentum_buffer = opt.state[p]["momentum_buffer"]
+            torch.testing.assert_close(
+                sd[f"optim:{name}:momentum_buffer"], momentum_buffer, rtol=rtol, atol=atol, msg=run
+            )

@@ -11,7 +11,7 @@ import pytest
 import recir.lower_gpu as lg
 import torch
 import torch.nn.functional as F
-from _lower_gpu_steps import mlp_batch, mse_loss, sgd_step_graph
+from _lower_gpu_steps import assert_states_match_eager_sgd, mlp_batch, mse_loss, sgd_step_graph
 from recir.transforms import ConfigError
 from torch import nn
 
@@ -57,18 +57,7 @@ def test_compiled_step_sigmoid_exp_follows_the_option_and_matches_eager(tmp_path
         states[mode] = _train(model, lg.GPUOptions(cache_dir=str(cache), cpu_sigmoid=mode))  # type: ignore[arg-type]
         code = _kernels(sorted(_cpp_files(cache)))
         assert (_FAST in code, _SLEEF in code) == (mode == "fast", mode == "sleef"), mode
-    eager = _SiluMLP()
-    eager.load_state_dict(model.state_dict())
-    opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
-    for i in range(5):
-        opt.zero_grad()
-        mse_loss(eager, mlp_batch(i, n=32)).backward()
-        opt.step()
-    for name, p in eager.named_parameters():
-        for mode, sd in states.items():
-            torch.testing.assert_close(sd[f"param:{name}"], p.detach(), rtol=1e-5, atol=1e-6, msg=mode)
-            momentum = opt.state[p]["momentum_buffer"]
-            torch.testing.assert_close(sd[f"optim:{name}:momentum_buffer"], momentum, rtol=1e-5, atol=1e-6)
+    assert_states_match_eager_sgd(model, _SiluMLP(), states, n=32, rtol=1e-5, atol=1e-6)
 
 
 def test_the_choice_is_in_inductors_cache_key(tmp_path):

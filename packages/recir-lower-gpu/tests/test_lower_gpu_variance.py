@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import recir.lower_gpu as lg
 import torch
-from _lower_gpu_steps import mlp_batch, mse_loss, sgd_step_graph
+from _lower_gpu_steps import assert_states_match_eager_sgd, mlp_batch, mse_loss, sgd_step_graph
 from recir.lower_gpu._variance import MAX_ELEMENTS, two_pass_variance
 from recir.transforms import ConfigError
 from torch import nn
@@ -83,18 +83,7 @@ def test_compiled_layer_norm_step_has_no_welford_and_matches_welford_and_eager(t
             state, _ = compiled(state, mlp_batch(i, n=16))
         states[variance] = compiled.state_dict(state)
         assert ("welford" in _generated_code(cache).lower()) == (variance == "welford"), variance
-    eager = _NormMLP()
-    eager.load_state_dict(model.state_dict())
-    opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
-    for i in range(5):
-        opt.zero_grad()
-        mse_loss(eager, mlp_batch(i, n=16)).backward()
-        opt.step()
-    for name, p in eager.named_parameters():
-        for variance, sd in states.items():
-            torch.testing.assert_close(sd[f"param:{name}"], p.detach(), rtol=1e-4, atol=1e-5, msg=variance)
-            momentum = opt.state[p]["momentum_buffer"]
-            torch.testing.assert_close(sd[f"optim:{name}:momentum_buffer"], momentum, rtol=1e-4, atol=1e-5)
+    assert_states_match_eager_sgd(model, _NormMLP(), states, n=16, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_cpu_variance_names_the_choices():

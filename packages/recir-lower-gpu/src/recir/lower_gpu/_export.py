@@ -35,6 +35,8 @@ from ._variance import TwoPassVariance
 
 log = logging.getLogger("recir.lower_gpu")
 
+CpuMatmul = Literal["auto", "onednn", "aten"]
+
 
 class _BakedState(nn.Module):
     """``gm`` with its state as buffers: ``forward(*batch) -> outputs``; torch.export lifts the buffers
@@ -154,7 +156,7 @@ class _Passes(CustomGraphPass):
 
 
 def _aoti_configs(
-    program: torch.export.ExportedProgram, cpu_sigmoid: CpuSigmoidMode, cpu_matmul: str
+    program: torch.export.ExportedProgram, cpu_sigmoid: CpuSigmoidMode, cpu_matmul: CpuMatmul
 ) -> dict[str, Any]:
     """Inductor settings for packaging ``program``: on the CPU, :class:`UnfuseCpuAddmm` after post-grad
     (then :class:`OneDnnCpuMatmul` unless ``cpu_matmul`` is ``"aten"`` or torch lacks oneDNN), short
@@ -181,15 +183,16 @@ def package(
     path: str | os.PathLike[str],
     *,
     cpu_sigmoid: CpuSigmoidMode = "fast",
-    cpu_matmul: Literal["auto", "onednn", "aten"] = "auto",
+    cpu_matmul: CpuMatmul = "auto",
 ) -> Path:
     """AOTInductor-compile ``program`` into the package ``path`` (written atomically; a ``.pt2`` that
     loads with torch alone), leaving the process's Inductor config and environment as they were, so later
     compiles in this process key and cache as a fresh process does. On the CPU the bias of each
     ``linear``/``addmm`` is added after the product (:class:`UnfuseCpuAddmm`), ``cpu_matmul`` picks the
     float32 products' kernel (``GPUOptions.cpu_matmul``: oneDNN's linear, :class:`OneDnnCpuMatmul`, or
-    ATen's BLAS call) and ``cpu_sigmoid`` the sigmoid's exponential (``GPUOptions.cpu_sigmoid``). For programs exported by hand (e.g. an
-    application's serving modules); :func:`export` does this for a StepGraph."""
+    ATen's BLAS call) and ``cpu_sigmoid`` the sigmoid's exponential (``GPUOptions.cpu_sigmoid``). For
+    programs exported by hand (e.g. an application's serving modules); :func:`export` does this for a
+    StepGraph."""
     if cpu_matmul not in ("auto", "onednn", "aten"):
         raise ValueError(f"package: cpu_matmul must be 'auto', 'onednn' or 'aten', got {cpu_matmul!r}")
     configs = _aoti_configs(program, cpu_sigmoid, cpu_matmul)
@@ -217,7 +220,7 @@ def export(
     extra: Mapping[str, Any] | None = None,
     baked_state: Sequence[torch.Tensor] | None = None,
     cpu_sigmoid: CpuSigmoidMode = "fast",
-    cpu_matmul: Literal["auto", "onednn", "aten"] = "auto",
+    cpu_matmul: CpuMatmul = "auto",
 ) -> dict[str, Any]:
     """Write ``step`` as an AOTInductor package to ``path`` (atomically) and a manifest beside it;
     returns the manifest. ``device``: CUDA when present, else the CPU (as ``compile``). ``extra``: more
