@@ -11,7 +11,13 @@ import pytest
 import recir.lower_gpu as lg
 import torch
 import torch.nn.functional as F
-from _lower_gpu_steps import assert_states_match_eager_sgd, mlp_batch, mse_loss, sgd_step_graph
+from _lower_gpu_steps import (
+    assert_states_match_eager_sgd,
+    mlp_batch,
+    mse_loss,
+    sgd_step_graph,
+    train_compiled,
+)
 from recir.transforms import ConfigError
 from torch import nn
 
@@ -40,10 +46,7 @@ def _cpp_files(cache_dir: Path) -> set[Path]:
 def _train(model: nn.Module, options: lg.GPUOptions) -> dict:
     step = sgd_step_graph(model, mse_loss, mlp_batch(0, n=32), lr=0.05, momentum=0.9)
     compiled = lg.compile(step, device="cpu", options=options)
-    state = compiled.init_state(model, None)
-    for i in range(5):
-        state, _ = compiled(state, mlp_batch(i, n=32))
-    return compiled.state_dict(state)
+    return train_compiled(compiled, model, None, [mlp_batch(i, n=32) for i in range(5)])[0]
 
 
 def test_compiled_step_sigmoid_exp_follows_the_option_and_matches_eager(tmp_path):

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import recir.lower_gpu as lg
 import torch
-from _lower_gpu_steps import assert_states_match_eager_sgd, mlp_batch, mse_loss, sgd_step_graph
+from _lower_gpu_steps import (
+    assert_states_match_eager_sgd,
+    mlp_batch,
+    mse_loss,
+    sgd_step_graph,
+    train_compiled,
+)
 from recir.lower_gpu._variance import MAX_ELEMENTS, two_pass_variance
 from recir.transforms import ConfigError
 from torch import nn
@@ -78,10 +84,7 @@ def test_compiled_layer_norm_step_has_no_welford_and_matches_welford_and_eager(t
         cache = tmp_path / variance
         options = lg.GPUOptions(cache_dir=str(cache), cpu_variance=variance)  # type: ignore[arg-type]
         compiled = lg.compile(step, device="cpu", options=options)
-        state = compiled.init_state(model, None)
-        for i in range(5):
-            state, _ = compiled(state, mlp_batch(i, n=16))
-        states[variance] = compiled.state_dict(state)
+        states[variance] = train_compiled(compiled, model, None, [mlp_batch(i, n=16) for i in range(5)])[0]
         assert ("welford" in _generated_code(cache).lower()) == (variance == "welford"), variance
     assert_states_match_eager_sgd(model, _NormMLP(), states, n=16, rtol=1e-4, atol=1e-5)
 
