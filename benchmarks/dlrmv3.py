@@ -92,7 +92,11 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         "gpu+whole": {"regions": "whole"},
     }
     # train's default with one CPU kernel choice put back to Inductor's own
-    inductor_own = {"gpu+welford": {"cpu_variance": "welford"}, "gpu+sleef": {"cpu_sigmoid": "sleef"}}
+    inductor_own = {
+        "gpu+welford": {"cpu_variance": "welford"},
+        "gpu+sleef": {"cpu_sigmoid": "sleef"},
+        "gpu+atenbf16": {"cpu_bf16": "aten"},
+    }
     gpu_like = (*variants, *inductor_own)
     target = "eager" if args.target == "torch.compile" else "gpu" if args.target in gpu_like else args.target
     options = None
@@ -233,7 +237,7 @@ def main() -> None:
         default="eager,gpu,tpu",
         help="comma-separated from eager, torch.compile, gpu, gpu+graphs (CUDA), gpu+autotune, gpu+regions, gpu+whole, "
         "gpu+welford (Inductor's Welford variances on the CPU), gpu+sleef (Inductor's SLEEF exp in the CPU sigmoid), "
-        "tpu (default %(default)s)",
+        "gpu+atenbf16 (ATen's float32 -> bf16 rounding in the CPU kernels), tpu (default %(default)s)",
     )
     p.add_argument(
         "--device",

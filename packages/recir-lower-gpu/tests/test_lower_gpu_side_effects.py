@@ -1,5 +1,5 @@
 """compile changes torch's state only while it compiles: a user's own torch.compile in the same process
-sees the cache-key pickler, the CPU ISA probe, the C++ sigmoid, the cache folder and Inductor's config as they were."""
+sees the cache-key pickler, the CPU ISA probe, the C++ sigmoid and bf16 rounding, the cache folder and Inductor's config as they were."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from _lower_gpu_steps import TinyMLP, mlp_batch, mse_loss, sgd_step_graph
 def _torch_state() -> tuple:
     from torch._inductor import config, cpu_vec_isa
     from torch._inductor.codecache import FxGraphCachePickler
-    from torch._inductor.codegen.cpp import CppVecOverrides
+    from torch._inductor.codegen.cpp import CppVecKernel, CppVecOverrides
 
     return (
         FxGraphCachePickler.__init__,
         CppVecOverrides.__dict__["sigmoid"],
+        CppVecKernel.__dict__["get_to_dtype_expr"],
         cpu_vec_isa.VecISA.check_build,
         config.save_config_portable(),
     )

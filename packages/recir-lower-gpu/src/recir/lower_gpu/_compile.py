@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ._cache import inductor_cache_dir, recir_cache_dir, stable_cache_keys, using_cache_dir
+from ._cpp_codegen import cpp_codegen
 from ._cudagraph import CudaGraphStep
 from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe, probe_in_background
@@ -31,7 +32,6 @@ from ._options import GPUOptions
 from ._pipeline import InPlaceEpilogue, SplitRepeatedRegions, collectives, gpu_pipeline
 from ._private_apis import check_private_apis
 from ._regions import RegionsFn, RegionSplit, compile_regions
-from ._sigmoid import sigmoid_codegen
 from ._step import GPUCompiledStep
 
 log = logging.getLogger("recir.lower_gpu")
@@ -75,7 +75,7 @@ def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: Fake
     context = torch._guards.TracingContext(fake_mode)
     with (
         inductor_config.patch(patches),
-        sigmoid_codegen(patches),
+        cpp_codegen(patches),
         functorch_config.patch(enable_autograd_cache=bool(patches.get("fx_graph_cache", True))),
         torch._guards.tracing(context),
     ):

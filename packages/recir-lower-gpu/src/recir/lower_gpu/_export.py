@@ -28,9 +28,9 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ._compile import resolve_device
+from ._cpp_codegen import CpuBf16Mode, CpuSigmoidMode, codegen_patches, cpp_codegen
 from ._onednn import MIN_MACS, onednn_available
 from ._prepare import copy_graph_module, retarget_devices
-from ._sigmoid import CpuSigmoidMode, sigmoid_codegen, sigmoid_patches
 from ._variance import TwoPassVariance
 
 log = logging.getLogger("recir.lower_gpu")
@@ -156,12 +156,15 @@ class _Passes(CustomGraphPass):
 
 
 def _aoti_configs(
-    program: torch.export.ExportedProgram, cpu_sigmoid: CpuSigmoidMode, cpu_matmul: CpuMatmul
+    program: torch.export.ExportedProgram,
+    cpu_sigmoid: CpuSigmoidMode,
+    cpu_matmul: CpuMatmul,
+    cpu_bf16: CpuBf16Mode,
 ) -> dict[str, Any]:
     """Inductor settings for packaging ``program``: on the CPU, :class:`UnfuseCpuAddmm` after post-grad
     (then :class:`OneDnnCpuMatmul` unless ``cpu_matmul`` is ``"aten"`` or torch lacks oneDNN), short
-    variances in two passes (``recir.lower_gpu._variance``, before post-grad) and the sigmoid's
-    exponential ``cpu_sigmoid`` (``recir.lower_gpu._sigmoid``).
+    variances in two passes (``recir.lower_gpu._variance``, before post-grad), the sigmoid's
+    exponential ``cpu_sigmoid`` and the bf16 rounding ``cpu_bf16`` (``recir.lower_gpu._cpp_codegen``).
     DLRMv3's full-sequence serving artifact at batch 256 (2-core Xeon, two alternating pairs): 288 / 327
     -> 254 / 263 ms (11 addmm per batch, each copying its bias first; 6% of the time in those copies)."""
     vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
@@ -174,7 +177,7 @@ def _aoti_configs(
         "post_grad_custom_post_pass": _Passes(UnfuseCpuAddmm(), OneDnnCpuMatmul())
         if onednn
         else UnfuseCpuAddmm(),
-        **sigmoid_patches(cpu_sigmoid),
+        **codegen_patches(cpu_sigmoid, cpu_bf16),
     }
 
 
@@ -184,18 +187,20 @@ def package(
     *,
     cpu_sigmoid: CpuSigmoidMode = "fast",
     cpu_matmul: CpuMatmul = "auto",
+    cpu_bf16: CpuBf16Mode = "native",
 ) -> Path:
     """AOTInductor-compile ``program`` into the package ``path`` (written atomically; a ``.pt2`` that
     loads with torch alone), leaving the process's Inductor config and environment as they were, so later
     compiles in this process key and cache as a fresh process does. On the CPU the bias of each
     ``linear``/``addmm`` is added after the product (:class:`UnfuseCpuAddmm`), ``cpu_matmul`` picks the
     float32 products' kernel (``GPUOptions.cpu_matmul``: oneDNN's linear, :class:`OneDnnCpuMatmul`, or
-    ATen's BLAS call) and ``cpu_sigmoid`` the sigmoid's exponential (``GPUOptions.cpu_sigmoid``). For
+    ATen's BLAS call), ``cpu_sigmoid`` the sigmoid's exponential and ``cpu_bf16`` how float32 rounds to
+    bfloat16 (``GPUOptions.cpu_sigmoid``, ``GPUOptions.cpu_bf16``). For
     programs exported by hand (e.g. an application's serving modules); :func:`export` does this for a
     StepGraph."""
     if cpu_matmul not in ("auto", "onednn", "aten"):
         raise ValueError(f"package: cpu_matmul must be 'auto', 'onednn' or 'aten', got {cpu_matmul!r}")
-    configs = _aoti_configs(program, cpu_sigmoid, cpu_matmul)
+    configs = _aoti_configs(program, cpu_sigmoid, cpu_matmul, cpu_bf16)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Written under its own name in a private directory beside the target, then moved over it: the
@@ -204,7 +209,7 @@ def package(
     tmp = tmp_dir / (target.name if target.suffix == ".pt2" else f"{target.name}.pt2")
     try:
         tmp_dir.mkdir()
-        with _no_global_side_effects(), sigmoid_codegen(configs):
+        with _no_global_side_effects(), cpp_codegen(configs):
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
         os.replace(tmp, target)
     finally:
@@ -221,14 +226,15 @@ def export(
     baked_state: Sequence[torch.Tensor] | None = None,
     cpu_sigmoid: CpuSigmoidMode = "fast",
     cpu_matmul: CpuMatmul = "auto",
+    cpu_bf16: CpuBf16Mode = "native",
 ) -> dict[str, Any]:
     """Write ``step`` as an AOTInductor package to ``path`` (atomically) and a manifest beside it;
     returns the manifest. ``device``: CUDA when present, else the CPU (as ``compile``). ``extra``: more
     manifest fields (e.g. the application's options). ``baked_state``: the state values
     (``step.init_state(model)``) to compile into the package as constants; it then takes the batch
     alone and returns the outputs alone (the manifest's ``state`` is empty, ``baked_state`` lists them).
-    ``cpu_sigmoid``, ``cpu_matmul``: the CPU kernels' sigmoid exponential and float32 products (as
-    ``GPUOptions``' options of those names; :func:`package`).
+    ``cpu_sigmoid``, ``cpu_matmul``, ``cpu_bf16``: the CPU kernels' sigmoid exponential, float32 products
+    and bf16 rounding (as ``GPUOptions``' options of those names; :func:`package`).
     """
     from recir.distributed import write_atomically
     from recir.embedding import QUANTIZE_KEY, lower_quantized_lookups, prepare_for_lowering
@@ -264,7 +270,7 @@ def export(
     target = Path(path)
     with _no_global_side_effects():
         program = torch.export.export(module, tuple(example))
-    package(program, target, cpu_sigmoid=cpu_sigmoid, cpu_matmul=cpu_matmul)
+    package(program, target, cpu_sigmoid=cpu_sigmoid, cpu_matmul=cpu_matmul, cpu_bf16=cpu_bf16)
 
     def spec(name: str, shape: Any, dtype: torch.dtype) -> dict[str, Any]:
         return {"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from recir.transforms import ConfigError
 
-from ._sigmoid import CPU_SIGMOID_MODES, sigmoid_patches
+from ._cpp_codegen import CPU_BF16_MODES, CPU_SIGMOID_MODES, codegen_patches
 
 InductorMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 INDUCTOR_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -86,7 +86,12 @@ class GPUOptions:
     - ``cpu_sigmoid``: on the CPU device, the exponential in Inductor's vectorised sigmoid (SiLU,
       SwishLayerNorm and their gradients): ``"fast"`` (the default: ATen's inline ``exp_u20``, sigmoid within
       3.7e-7 relative of float64's) or ``"sleef"`` (Inductor's own: a SLEEF call per 16 floats, 1.5e-7);
-      recir.lower_gpu._sigmoid.
+      recir.lower_gpu._cpp_codegen.
+    - ``cpu_bf16``: on the CPU device, how Inductor's vectorised kernels round float32 to bfloat16:
+      ``"native"`` (the default: avx512_bf16's ``vcvtne2ps2bf16``, one instruction per 32 values, where
+      Inductor builds for AVX-512 with that extension, else as ``"aten"``) or ``"aten"`` (ATen's integer
+      rounding, about 14 instructions). The same bits for every normal value; the instruction flushes
+      float32 subnormals to zero; recir.lower_gpu._cpp_codegen.
     """
 
     mode: InductorMode = "default"
@@ -106,6 +111,7 @@ class GPUOptions:
     cpu_variance: Literal["two_pass", "welford"] = "two_pass"
     huge_pages_min_bytes: int | None = 256 << 20  # recir.embedding.HUGE_PAGES_MIN_BYTES
     cpu_sigmoid: Literal["fast", "sleef"] = "fast"
+    cpu_bf16: Literal["native", "aten"] = "native"
 
     def __post_init__(self) -> None:
         if self.mode not in INDUCTOR_MODES:
@@ -133,6 +139,12 @@ class GPUOptions:
             raise ConfigError(
                 f"GPUOptions.cpu_sigmoid: expected one of {CPU_SIGMOID_MODES}, got {self.cpu_sigmoid!r}. "
                 "Fix: 'fast' computes the CPU sigmoid's exponential inline; 'sleef' keeps Inductor's SLEEF call."
+            )
+        if self.cpu_bf16 not in CPU_BF16_MODES:
+            raise ConfigError(
+                f"GPUOptions.cpu_bf16: expected one of {CPU_BF16_MODES}, got {self.cpu_bf16!r}. "
+                "Fix: 'native' rounds float32 to bfloat16 with avx512_bf16's instruction where the CPU has it; "
+                "'aten' keeps ATen's integer rounding."
             )
         if isinstance(self.inductor_config, dict):
             object.__setattr__(self, "inductor_config", tuple(sorted(self.inductor_config.items())))
@@ -168,7 +180,7 @@ class GPUOptions:
                 from ._variance import TwoPassVariance
 
                 patches["post_grad_custom_pre_pass"] = TwoPassVariance()
-            patches.update(sigmoid_patches(self.cpu_sigmoid))
+            patches.update(codegen_patches(self.cpu_sigmoid, self.cpu_bf16))
         from torch._inductor import config as inductor_config
 
         if self.in_place and self.free_early:

@@ -23,6 +23,8 @@ PRIVATE_APIS = (
     "torch._inductor.cpu_vec_isa:VecISA.check_build",  # the SIMD probe's on-disk memo
     "torch._inductor.cpu_vec_isa:valid_vec_isa_list",  # the probe, run ahead in a thread
     "torch._inductor.codegen.cpp:CppVecOverrides.sigmoid",  # cpu_sigmoid
+    "torch._inductor.codegen.cpp:CppVecKernel.get_to_dtype_expr",  # cpu_bf16
+    "torch._inductor.cpu_vec_isa:pick_vec_isa",  # cpu_bf16: does Inductor build with -mavx512bf16
     "torch._inductor.lowering:register_lowering",  # recir::store realizes its input
     "torch._inductor.lowering:lowerings",
     "torch._inductor.decomposition:select_decomp_table",
