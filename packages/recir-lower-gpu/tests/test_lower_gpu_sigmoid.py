@@ -1,4 +1,4 @@
-"""The CPU sigmoid's exponential (recir.lower_gpu._sigmoid, ``GPUOptions.cpu_sigmoid``): ``fast`` writes
+"""The CPU sigmoid's exponential (recir.lower_gpu._cpp_codegen, ``GPUOptions.cpu_sigmoid``): ``fast`` writes
 ATen's inline ``exp_u20`` into Inductor's vectorised sigmoid, ``sleef`` keeps Inductor's SLEEF call; both
 train as eager torch.optim does, and the choice is part of Inductor's cache keys."""
 

@@ -16,10 +16,11 @@ EPYC, AVX-512, one thread); the cached-history candidates package at batch 256 b
 mask, add the rounding bias, NaN blend, pack: about 14 instructions per 32 values) even where the CPU
 has avx512_bf16's ``vcvtne2ps2bf16``, which does it in one. ``"native"`` writes that instruction (through
 ``_mm512_cvtne2ps_pbh``) whenever Inductor's kernels build with the extension on (an AVX-512 CPU that has
-it, where torch's C++ builder passes ``-march=native``); elsewhere the kernels keep ATen's. Both round to nearest even, so every normal value converts to the same bits; the
-instruction flushes float32 subnormals (below 1.2e-38) to zero where ATen keeps them as bf16
-subnormals. DLRMv3's full-sequence serving package, batch 256 bf16 (2-core AMD EPYC with avx512_bf16,
-one thread, 10 alternating rounds): median 103.2 -> 100.5 ms.
+it, where torch's C++ builder passes ``-march=native``); elsewhere the kernels keep ATen's. Both round to
+nearest even, so every normal value converts to the same bits; the instruction flushes float32
+subnormals (below 1.2e-38) to zero where ATen keeps them as bf16 subnormals. DLRMv3's full-sequence
+serving package, batch 256 bf16 (2-core AMD EPYC with avx512_bf16, one thread, 10 alternating rounds):
+median 103.2 -> 100.5 ms.
 
 Inductor has no hook for how an op becomes C++, so :func:`cpp_codegen` patches ``CppVecOverrides.sigmoid``
 and ``CppVecKernel.get_to_dtype_expr`` for the length of one compile and puts them back. ``CpuCodegen``

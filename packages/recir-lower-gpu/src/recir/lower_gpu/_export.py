@@ -195,9 +195,8 @@ def package(
     ``linear``/``addmm`` is added after the product (:class:`UnfuseCpuAddmm`), ``cpu_matmul`` picks the
     float32 products' kernel (``GPUOptions.cpu_matmul``: oneDNN's linear, :class:`OneDnnCpuMatmul`, or
     ATen's BLAS call), ``cpu_sigmoid`` the sigmoid's exponential and ``cpu_bf16`` how float32 rounds to
-    bfloat16 (``GPUOptions.cpu_sigmoid``, ``GPUOptions.cpu_bf16``). For
-    programs exported by hand (e.g. an application's serving modules); :func:`export` does this for a
-    StepGraph."""
+    bfloat16 (``GPUOptions.cpu_sigmoid``, ``GPUOptions.cpu_bf16``). For programs exported by hand (e.g. an
+    application's serving modules); :func:`export` does this for a StepGraph."""
     if cpu_matmul not in ("auto", "onednn", "aten"):
         raise ValueError(f"package: cpu_matmul must be 'auto', 'onednn' or 'aten', got {cpu_matmul!r}")
     configs = _aoti_configs(program, cpu_sigmoid, cpu_matmul, cpu_bf16)
