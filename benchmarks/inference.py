@@ -43,8 +43,9 @@ def _timed(
 ) -> tuple[float, float]:
     """(median over `rounds` of the mean ms per call, each round at least `min_seconds` long; the median
     of the rounds' ratios ref ms / fn ms). With `ref` = (function, calls per round), each round times the
-    function just before `fn`, so a ratio compares two stretches of the same minute: on a shared machine whose speed drifts by 10-20%
-    between minutes, the ratio of two medians taken minutes apart drifts with it. Without, the ratio is 1."""
+    function just before `fn`, so a ratio compares two stretches of the same minute: on a shared machine
+    whose speed drifts by 10-20% between minutes, the ratio of two medians taken minutes apart drifts with
+    it. Without, the ratio is 1."""
     n = _calls_per_round(fn, min_seconds)
     ms, ratios = [], []
     for _ in range(rounds):

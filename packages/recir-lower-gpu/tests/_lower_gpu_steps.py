@@ -7,6 +7,7 @@ Slot names follow recir-capture's conventions (``param:<path>``, ``buffer:<path>
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,3 +155,24 @@ def assert_states_match_eager_sgd(
             torch.testing.assert_close(
                 sd[f"optim:{name}:momentum_buffer"], momentum_buffer, rtol=rtol, atol=atol, msg=run
             )
+
+
+def train_sgd_compiled(model: nn.Module, options: Any, *, n: int, steps: int = 5) -> dict:
+    """``model``'s SGD step (``mse_loss``, lr 0.05, momentum 0.9; what :func:`assert_states_match_eager_sgd`
+    replays) compiled for the CPU with ``options`` and trained over ``mlp_batch(0..steps-1, n)``: the final
+    state dict."""
+    import recir.lower_gpu as lg
+
+    step = sgd_step_graph(model, mse_loss, mlp_batch(0, n=n), lr=0.05, momentum=0.9)
+    compiled = lg.compile(step, device="cpu", options=options)
+    return train_compiled(compiled, model, None, [mlp_batch(i, n=n) for i in range(steps)])[0]
+
+
+def kernel_files(cache_dir: Path) -> set[Path]:
+    """The generated code Inductor left in ``cache_dir`` (wrappers and C++ kernels)."""
+    return {p for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp")}
+
+
+def kernel_source(files: set[Path]) -> str:
+    """``files``' text, in a stable order."""
+    return "".join(p.read_text(errors="replace") for p in sorted(files))

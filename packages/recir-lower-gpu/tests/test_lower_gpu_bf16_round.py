@@ -6,19 +6,12 @@ is part of Inductor's cache keys."""
 from __future__ import annotations
 
 import zipfile
-from pathlib import Path
 
 import pytest
 import recir.lower_gpu as lg
 import torch
 import torch.nn.functional as F
-from _lower_gpu_steps import (
-    assert_states_match_eager_sgd,
-    mlp_batch,
-    mse_loss,
-    sgd_step_graph,
-    train_compiled,
-)
+from _lower_gpu_steps import assert_states_match_eager_sgd, kernel_files, kernel_source, train_sgd_compiled
 from recir.lower_gpu._cpp_codegen import _builds_avx512_bf16
 from recir.transforms import ConfigError
 from torch import nn
@@ -47,14 +40,6 @@ class _Bf16MLP(nn.Module):
 class _Round(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16)
-
-
-def _kernels(files: list[Path]) -> str:
-    return "".join(p.read_text(errors="replace") for p in files)
-
-
-def _cpp_files(cache_dir: Path) -> set[Path]:
-    return {p for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp")}
 
 
 def _inputs() -> torch.Tensor:
@@ -118,13 +103,11 @@ def test_compiled_steps_round_as_chosen_and_train_as_eager(tmp_path):
     model = _Bf16MLP()
     states, seen = {}, set()
     for mode in ("native", "aten"):
-        step = sgd_step_graph(model, mse_loss, mlp_batch(0, n=32), lr=0.05, momentum=0.9)
         options = lg.GPUOptions(cache_dir=str(tmp_path), cpu_bf16=mode)  # type: ignore[arg-type]
-        compiled = lg.compile(step, device="cpu", options=options)
-        states[mode] = train_compiled(compiled, model, None, [mlp_batch(i, n=32) for i in range(5)])[0]
-        new = _cpp_files(tmp_path) - seen
+        states[mode] = train_sgd_compiled(model, options, n=32)
+        new = kernel_files(tmp_path) - seen
         seen |= new
-        code = _kernels(sorted(new))
+        code = kernel_source(new)
         assert (_NATIVE in code, _ATEN in code) == (_native_expected(mode), not _native_expected(mode)), mode
     assert_states_match_eager_sgd(model, _Bf16MLP(), states, n=32, rtol=1e-5, atol=1e-6)
 

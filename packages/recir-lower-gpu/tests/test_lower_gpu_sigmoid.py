@@ -5,19 +5,12 @@ train as eager torch.optim does, and the choice is part of Inductor's cache keys
 from __future__ import annotations
 
 import zipfile
-from pathlib import Path
 
 import pytest
 import recir.lower_gpu as lg
 import torch
 import torch.nn.functional as F
-from _lower_gpu_steps import (
-    assert_states_match_eager_sgd,
-    mlp_batch,
-    mse_loss,
-    sgd_step_graph,
-    train_compiled,
-)
+from _lower_gpu_steps import assert_states_match_eager_sgd, kernel_files, kernel_source, train_sgd_compiled
 from recir.transforms import ConfigError
 from torch import nn
 
@@ -35,20 +28,6 @@ class _SiluMLP(nn.Module):
         return self.fc2(h * torch.sigmoid(h))
 
 
-def _kernels(files: list[Path]) -> str:
-    return "".join(p.read_text(errors="replace") for p in files)
-
-
-def _cpp_files(cache_dir: Path) -> set[Path]:
-    return {p for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp")}
-
-
-def _train(model: nn.Module, options: lg.GPUOptions) -> dict:
-    step = sgd_step_graph(model, mse_loss, mlp_batch(0, n=32), lr=0.05, momentum=0.9)
-    compiled = lg.compile(step, device="cpu", options=options)
-    return train_compiled(compiled, model, None, [mlp_batch(i, n=32) for i in range(5)])[0]
-
-
 def test_compiled_step_sigmoid_exp_follows_the_option_and_matches_eager(tmp_path):
     """Forward and backward sigmoids (SiLU, its gradient) use `exp_u20` with `fast` and SLEEF's `exp` with
     `sleef`; both give torch.optim's parameters and momenta after 5 steps."""
@@ -57,8 +36,8 @@ def test_compiled_step_sigmoid_exp_follows_the_option_and_matches_eager(tmp_path
     states = {}
     for mode in ("fast", "sleef"):
         cache = tmp_path / mode
-        states[mode] = _train(model, lg.GPUOptions(cache_dir=str(cache), cpu_sigmoid=mode))  # type: ignore[arg-type]
-        code = _kernels(sorted(_cpp_files(cache)))
+        states[mode] = train_sgd_compiled(model, lg.GPUOptions(cache_dir=str(cache), cpu_sigmoid=mode), n=32)  # type: ignore[arg-type]
+        code = kernel_source(kernel_files(cache))
         assert (_FAST in code, _SLEEF in code) == (mode == "fast", mode == "sleef"), mode
     assert_states_match_eager_sgd(model, _SiluMLP(), states, n=32, rtol=1e-5, atol=1e-6)
 
@@ -68,11 +47,11 @@ def test_the_choice_is_in_inductors_cache_key(tmp_path):
     kernels (SLEEF's call), it does not reuse the first's from the FX-graph or AOTAutograd cache."""
     torch.manual_seed(0)
     model = _SiluMLP()
-    _train(model, lg.GPUOptions(cache_dir=str(tmp_path), cpu_sigmoid="fast"))
-    first = _cpp_files(tmp_path)
-    assert _FAST in _kernels(sorted(first)) and _SLEEF not in _kernels(sorted(first))
-    _train(model, lg.GPUOptions(cache_dir=str(tmp_path), cpu_sigmoid="sleef"))
-    assert _SLEEF in _kernels(sorted(_cpp_files(tmp_path) - first))
+    train_sgd_compiled(model, lg.GPUOptions(cache_dir=str(tmp_path), cpu_sigmoid="fast"), n=32)
+    first = kernel_files(tmp_path)
+    assert _FAST in kernel_source(first) and _SLEEF not in kernel_source(first)
+    train_sgd_compiled(model, lg.GPUOptions(cache_dir=str(tmp_path), cpu_sigmoid="sleef"), n=32)
+    assert _SLEEF in kernel_source(kernel_files(tmp_path) - first)
 
 
 @pytest.mark.parametrize("mode", ["fast", "sleef"])

@@ -3,18 +3,10 @@ reduction (recir.lower_gpu._variance, ``GPUOptions.cpu_variance``): same values,
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import recir.lower_gpu as lg
 import torch
-from _lower_gpu_steps import (
-    assert_states_match_eager_sgd,
-    mlp_batch,
-    mse_loss,
-    sgd_step_graph,
-    train_compiled,
-)
+from _lower_gpu_steps import assert_states_match_eager_sgd, kernel_files, kernel_source, train_sgd_compiled
 from recir.lower_gpu._variance import MAX_ELEMENTS, two_pass_variance
 from recir.transforms import ConfigError
 from torch import nn
@@ -68,24 +60,18 @@ class _NormMLP(nn.Module):
         return self.fc2(torch.relu(self.norm(self.fc1(x))))
 
 
-def _generated_code(cache_dir: Path) -> str:
-    return "".join(p.read_text(errors="replace") for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp"))
-
-
 def test_compiled_layer_norm_step_has_no_welford_and_matches_welford_and_eager(tmp_path):
     """A step with a LayerNorm: the default compiles its statistics with no Welford code, the
     `welford` option with it (Inductor's own), and both train as eager torch.optim does (parameters
     and momenta after 5 steps)."""
     torch.manual_seed(0)
     model = _NormMLP()
-    step = sgd_step_graph(model, mse_loss, mlp_batch(0, n=16), lr=0.05, momentum=0.9)
     states = {}
     for variance in ("two_pass", "welford"):
         cache = tmp_path / variance
         options = lg.GPUOptions(cache_dir=str(cache), cpu_variance=variance)  # type: ignore[arg-type]
-        compiled = lg.compile(step, device="cpu", options=options)
-        states[variance] = train_compiled(compiled, model, None, [mlp_batch(i, n=16) for i in range(5)])[0]
-        assert ("welford" in _generated_code(cache).lower()) == (variance == "welford"), variance
+        states[variance] = train_sgd_compiled(model, options, n=16)
+        assert ("welford" in kernel_source(kernel_files(cache)).lower()) == (variance == "welford"), variance
     assert_states_match_eager_sgd(model, _NormMLP(), states, n=16, rtol=1e-4, atol=1e-5)
 
 

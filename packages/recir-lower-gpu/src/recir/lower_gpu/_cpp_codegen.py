@@ -32,6 +32,7 @@ other choices is never reused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import platform
 import sys
 from collections.abc import Iterator, Mapping
@@ -79,7 +80,9 @@ def _fast_sigmoid(x: str) -> str:
 
 def _native_bf16(original: Any) -> Any:
     """``CppVecKernel.get_to_dtype_expr`` writing 32-lane float32 -> bf16 vector conversions as avx512_bf16's
-    instruction (``_mm512_cvtne2ps_pbh``), any other conversion as ``original`` does."""
+    instruction (``_mm512_cvtne2ps_pbh``), any other conversion as ``original`` does. The ISA is asked at
+    the first conversion, once Inductor has picked it, then remembered for this compile."""
+    able = functools.cache(_builds_avx512_bf16)
 
     def get_to_dtype_expr(self: Any, src: Any, dtype: torch.dtype, src_dtype: torch.dtype) -> str:
         # 32 lanes: two float vectors become one of bf16 (a kernel with bf16 in it tiles by 32; others,
@@ -88,7 +91,7 @@ def _native_bf16(original: Any) -> Any:
             src.is_vec
             and (src_dtype, dtype) == (torch.float32, torch.bfloat16)
             and (self._get_num_vectors(torch.float32), self._get_num_vectors(torch.bfloat16)) == (2, 1)
-            and _builds_avx512_bf16()
+            and able()
         ):
             return f"at::vec::Vectorized<at::BFloat16>((__m512i)_mm512_cvtne2ps_pbh({src}[1], {src}[0]))"
         return original(self, src, dtype, src_dtype)
@@ -125,7 +128,7 @@ def cpp_codegen(patches: Mapping[str, Any]) -> Iterator[None]:
     saved_convert = CppVecKernel.__dict__["get_to_dtype_expr"]
     if chosen.sigmoid == "fast":
         CppVecOverrides.sigmoid = staticmethod(_fast_sigmoid)  # type: ignore[method-assign,assignment]
-    if chosen.bf16 == "native":  # the ISA is asked at code generation, once Inductor has picked it
+    if chosen.bf16 == "native":
         CppVecKernel.get_to_dtype_expr = _native_bf16(saved_convert)  # type: ignore[method-assign]
     try:
         yield
