@@ -348,6 +348,9 @@ def test_counter_uniform_lowers_to_uint32_bit_for_bit(key, base, n):
         jaxpr = jax.make_jaxpr(recir_counter_uniform, static_argnums=(1, 2))(k, base, n)
     want = counter_uniform_reference(torch.tensor(key), base, n).numpy()
     assert got.dtype == np.float32 and np.array_equal(got, want)
+    # the numbers leave through a barrier, so XLA on a TPU computes them once (see the next test)
+    assert jaxpr.eqns[-1].primitive.name == "optimization_barrier", jaxpr.eqns[-1]
+    assert jaxpr.jaxpr.outvars == jaxpr.eqns[-1].outvars
     wide = [
         str(v.aval)
         for e in jaxpr.eqns
@@ -355,3 +358,32 @@ def test_counter_uniform_lowers_to_uint32_bit_for_bit(key, base, n):
         if v.aval.shape == (n,) and v.aval.dtype.itemsize == 8
     ]
     assert not wide, wide
+
+
+def test_counter_hash_is_computed_once_per_random_op_on_a_tpu():
+    """On a TPU, each recir::counter_uniform's hash is one fusion of its own in the optimised program: XLA
+    does not copy it into its consumers' fusions (a dropout's product forward, the products of its
+    backward), where it made the TPU compiler's large product fusions slow to schedule (see the lowering).
+    XLA:CPU expands optimization barriers before fusion, so this needs a TPU."""
+    import re
+
+    from recir.capture import capture_train_step
+
+    if jax.default_backend() != "tpu":
+        pytest.skip("XLA:CPU expands optimization barriers before fusion; the fusion check needs a TPU")
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.25), nn.Linear(256, 256), nn.ReLU(), nn.Dropout(0.25),
+        nn.Linear(256, 8),
+    )  # fmt: skip
+    batch = {"x": torch.randn(256, 32), "y": torch.randn(256, 8)}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = capture_train_step(model, opt, lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean(), batch)
+    random_ops = [n for n in step.graph.nodes if n.target == torch.ops.recir.counter_uniform.default]
+    assert len(random_ops) == 2, [n.target for n in step.graph.nodes]
+    hlo = compile(step).lower().compile().as_text()
+    # the hash's vector multiply by its constant (0x45D9F3B): once per computation that holds it
+    vector_multiply = re.compile(r"u32\[\d[\d,]*\][^\n]* multiply\(")
+    computations = re.split(r"\n(?=\S)", hlo)
+    hashing = [c.split("(")[0] for c in computations if vector_multiply.search(c) and "73244475" in c]
+    assert len(hashing) == len(random_ops), hashing
