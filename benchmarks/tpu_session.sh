@@ -16,6 +16,8 @@
 #          full-size runs' 16-17 GiB host peak is not attributed yet). Not in the default STAGES.
 # Full-size rows' cold compiles on a v5e (2026-12-06): UIH 64 bf16 41-42 s, fp32 185 s (float32 products at
 # `highest`); BENCH_SECONDS=480 ran two rows (UIH 64 fp32 and bf16), a third (UIH 256 fp32) did not finish.
+# Since the random numbers' optimization barrier (session 39): XLA's compile bf16 34 s, fp32 134 s. Where a
+# compile goes: CMD='$PY benchmarks/xla_compile.py --uih 64 --precision bf16 -- --token_buckets 1'.
 # Use: OUT=/some/dir bash benchmarks/tpu_session.sh; keep a call under the device's 10 minutes.
 # The wheels, fetched here for that machine's Python 3.11 (see the README's "On a TPU" for the list):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
