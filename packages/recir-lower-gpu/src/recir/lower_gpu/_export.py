@@ -73,6 +73,38 @@ def _no_global_side_effects() -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = env
 
 
+@contextlib.contextmanager
+def _int_arrays_keyed_by_buffer() -> Iterator[None]:
+    """torch 2.10-2.12's AOTInductor C++ wrapper remembers each size and stride array it declared, keyed by
+    ``id(writeline)``. That ``writeline`` is a bound method made afresh at every call, and a later one reuses
+    the freed one's address, so an array declared in one part of the wrapper can be named again in another
+    part that never declares it. The package's C++ build then fails (``'int_array_1' was not declared``;
+    seen once in this package's tests, depending on addresses). For the block, the cache keys on the
+    buffer the method writes to, as torch 2.13 does; torch 2.9 has no such cache and is left alone."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    original = CppWrapperCpu.__dict__.get("codegen_int_array_var")
+    if original is None or not hasattr(CppWrapperCpu, "_codegen_int_array_var_impl"):
+        yield
+        return
+
+    def codegen_int_array_var(
+        self: Any, int_array: str, writeline: Any, known_statically: bool = False, graph: Any = None
+    ) -> str:
+        writes_to = getattr(writeline, "__self__", writeline)  # a bound method's buffer, else the callable
+        key = (int_array, id(writes_to), known_statically, id(graph) if graph else None)
+        cache = self.codegen_int_array_var_cache
+        if key not in cache:
+            cache[key] = self._codegen_int_array_var_impl(int_array, writeline, known_statically)
+        return cache[key]
+
+    CppWrapperCpu.codegen_int_array_var = codegen_int_array_var  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CppWrapperCpu.codegen_int_array_var = original  # type: ignore[method-assign]
+
+
 class UnfuseCpuAddmm(CustomGraphPass):
     """An Inductor post-grad pass: each CPU ``addmm`` becomes a product, then the bias add.
 
@@ -208,7 +240,7 @@ def package(
     tmp = tmp_dir / (target.name if target.suffix == ".pt2" else f"{target.name}.pt2")
     try:
         tmp_dir.mkdir()
-        with _no_global_side_effects(), cpp_codegen(configs):
+        with _no_global_side_effects(), cpp_codegen(configs), _int_arrays_keyed_by_buffer():
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
         os.replace(tmp, target)
     finally:

@@ -29,6 +29,7 @@ PRIVATE_APIS = (
     "torch._inductor.lowering:lowerings",
     "torch._inductor.decomposition:select_decomp_table",
     "torch._inductor:aoti_compile_and_package",  # export
+    "torch._inductor.codegen.cpp_wrapper_cpu:CppWrapperCpu",  # export: its int-array cache keyed by buffer
     "torch._inductor:aoti_load_package",
     "torch._functorch.config",
     "torch._decomp:core_aten_decompositions",
