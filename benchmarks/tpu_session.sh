@@ -11,13 +11,15 @@
 #          can hold the chip); TEST_ARGS adds pytest options;
 #   cmd    the shell command in CMD (CMD_SECONDS, default 300) with this environment ($PY is the Python),
 #          e.g. CMD='$PY -m recir.dlrmv3 parity --target tpu --matmul_precision high';
+#   xla    where XLA's compile of a full-size step goes (benchmarks/xla_compile.py; XLA_ARGS, default UIH 64 bf16,
+#          one token budget; XLA_SECONDS, default 300);
 #   rss    the host memory (VmRSS, getrusage's peak) after each start-up step: JAX's import, its TPU client
 #          (jax.devices()), a first array, torch, torchax, RecIR's lowering, a tiny compiled step (the
 #          full-size runs' 16-17 GiB host peak is not attributed yet). Not in the default STAGES.
 # Full-size rows' cold compiles on a v5e (2026-12-06): UIH 64 bf16 41-42 s, fp32 185 s (float32 products at
 # `highest`); BENCH_SECONDS=480 ran two rows (UIH 64 fp32 and bf16), a third (UIH 256 fp32) did not finish.
-# Since the random numbers' optimization barrier (session 39): XLA's compile bf16 34 s, fp32 134 s. Where a
-# compile goes: CMD='$PY benchmarks/xla_compile.py --uih 64 --precision bf16 -- --token_buckets 1'.
+# Since the random numbers' optimization barrier (session 39): XLA's compile bf16 34 s, fp32 134 s; where a
+# compile goes: STAGES=xla.
 # Use: OUT=/some/dir bash benchmarks/tpu_session.sh; keep a call under the device's 10 minutes.
 # The wheels, fetched here for that machine's Python 3.11 (see the README's "On a TPU" for the list):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
@@ -83,6 +85,12 @@ if has cmd; then
   el "cmd: ${CMD:-}"
   export PY
   timeout "${CMD_SECONDS:-300}" bash -c "${CMD:-true}" 2>&1 | tee "$OUT/cmd.log" | tail -60
+fi
+if has xla; then
+  el "xla: benchmarks/xla_compile.py ${XLA_ARGS:---uih 64 --precision bf16 -- --token_buckets 1}"
+  # shellcheck disable=SC2086
+  timeout "${XLA_SECONDS:-300}" "$PY" benchmarks/xla_compile.py ${XLA_ARGS:---uih 64 --precision bf16 -- --token_buckets 1} \
+    2>&1 | tee "$OUT/xla.log" | grep -v "^\s*$" | tail -50
 fi
 if has rss; then
   el "rss: host memory after each start-up step"
