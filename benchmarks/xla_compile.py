@@ -94,9 +94,8 @@ def main() -> None:
             )
 
     jax.stages.Lowered.compile = profiled_compile  # type: ignore[method-assign]
-    os.environ["RECIR_CACHE_DIR"] = str(
-        trace_dir / "cache"
-    )  # an empty JAX cache: a hit would compile nothing
+    # an empty JAX cache: a hit would compile nothing
+    os.environ["RECIR_CACHE_DIR"] = str(trace_dir / "cache")
     sys.path.insert(0, str(Path(__file__).parent))
     import dlrmv3 as bench  # benchmarks/dlrmv3.py
 
