@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from recir.transforms import Pipeline, StepGraph, Transform
+from recir.transforms import Pipeline, SplitConcatProducts, StepGraph, Transform
 
 from ._hstu import PallasAttention
 
@@ -21,6 +21,7 @@ def tpu_pipeline(
     backend: str,
     row_sharded: Mapping[str, str] | None,
     attention_kernel: str = "blocked",
+    split_concat_products: bool = False,
 ) -> Pipeline:
     """The TPU lowering of ``step`` as a Pipeline (what torchax then traces into one ``jax.jit`` program):
 
@@ -31,7 +32,9 @@ def tpu_pipeline(
     2. ``cpu``: the tables whose update is row-wise are marked for the host and the step is cut at the
        embedding boundary (``recir-embed-cut-host-split``): only the device part is compiled;
     3. ``attention_kernel="pallas"``: ``recir::hstu_attention``'s forward as the Pallas kernel (the
-       blocked JAX formulation otherwise: a registered lowering, nothing to rewrite).
+       blocked JAX formulation otherwise: a registered lowering, nothing to rewrite);
+    4. ``split_concat_products``: each product of a concatenation that nothing else reads as a sum of its
+       parts' products (``recir-split-concat-products``; XLA on CPUs copies a concatenation).
     """
     from recir.embedding import CutHostSplit, embedding_transforms
 
@@ -47,4 +50,6 @@ def tpu_pipeline(
         transforms.append(CutHostSplit())
     if attention_kernel == "pallas":
         transforms.append(PallasAttention())
+    if split_concat_products:
+        transforms.append(SplitConcatProducts())
     return Pipeline(transforms, name="recir.lower_tpu")

@@ -202,6 +202,7 @@ from ._transforms import Narrow as Narrow
 from ._transforms import PipelineSparse as PipelineSparse
 from ._transforms import Recompute as Recompute
 from ._transforms import SparsePipelineInfo as SparsePipelineInfo
+from ._transforms import SplitConcatProducts as SplitConcatProducts
 from ._transforms import transient_peak_bytes as transient_peak_bytes
 from ._transforms.narrow import narrow_through_indices as narrow_through_indices
 from ._verify import INVARIANTS as INVARIANTS
@@ -319,6 +320,7 @@ __all__ = [
     "narrow_through_indices",
     "Recompute",
     "RECOMPUTE_KEY",
+    "SplitConcatProducts",
     "transient_peak_bytes",
     # profiles: time per StepGraph region
     "RegionTime",

@@ -12,6 +12,7 @@ from .pipeline_sparse import SparsePipelineInfo as SparsePipelineInfo
 from .recompute import RECOMPUTE_KEY as RECOMPUTE_KEY
 from .recompute import Recompute as Recompute
 from .recompute import transient_peak_bytes as transient_peak_bytes
+from .split_concat import SplitConcatProducts as SplitConcatProducts
 
 __all__ = [
     "PIPELINE_SPARSE_KEY",
@@ -25,5 +26,6 @@ __all__ = [
     "PipelineSparse",
     "Recompute",
     "SparsePipelineInfo",
+    "SplitConcatProducts",
     "transient_peak_bytes",
 ]
