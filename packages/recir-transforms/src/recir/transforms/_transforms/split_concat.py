@@ -98,10 +98,15 @@ def _match(cat: fx.Node, min_parts: int) -> tuple[fx.Node, fx.Node, fx.Node | No
     if product.kwargs:
         return None
     if product.target is aten.mm.default and len(product.args) == 2 and product.args[0] is view:
-        return view, product, None, product.args[1]
-    if product.target is aten.addmm.default and len(product.args) == 3 and product.args[1] is view:
-        return view, product, product.args[0], product.args[2]
-    return None
+        bias, weight = None, product.args[1]
+    elif product.target is aten.addmm.default and len(product.args) == 3 and product.args[1] is view:
+        bias, weight = product.args[0], product.args[2]
+    else:
+        return None
+    w = _val(weight)
+    if w is None or w.dim() != 2 or w.shape[0] != out.shape[-1] or _val(product) is None:
+        return None
+    return view, product, bias, weight
 
 
 def _split(
