@@ -104,3 +104,36 @@ def _view_source(node: fx.Node) -> fx.Node | None:
         if isinstance(value, fx.Node):
             return value
     return None
+
+
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def call_like(
+    graph: fx.Graph, like: fx.Node, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> fx.Node:
+    """A new node ``target(*args, **kwargs)`` at the insertion point, with ``like``'s metadata (phase,
+    provenance, ...) and its value computed on the inputs' fake values. A view of a value that is no
+    longer contiguous (a slice) becomes a reshape."""
+    kwargs = kwargs or {}
+    try:
+        val = _fake_run(target, args, kwargs)
+    except (RuntimeError, ValueError):  # fake tensors raise either for a view of a non-contiguous value
+        if target not in _RESHAPES:
+            raise
+        target = torch.ops.aten.reshape.default
+        val = _fake_run(target, args, kwargs)
+    new = graph.call_function(target, args, kwargs)
+    new.meta = {**{k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}, "val": val}
+    return new
+
+
+def _fake_run(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def unwrap(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return node_val(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(unwrap(x) for x in a)
+        return a
+
+    return target(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})

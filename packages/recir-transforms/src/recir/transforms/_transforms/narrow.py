@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .._errors import RecIRError
-from .._graph_util import node_val
+from .._graph_util import call_like, node_val
 from .._step import StepGraph
 from .._transform import Transform, TransformResult, register_transform
 from .dce import DeadCodeElimination
@@ -384,7 +384,7 @@ class Narrow(Transform):
                     if isinstance(built, fx.Node):  # a slice of a slice (or of a concatenation): its input
                         narrowed[(node, nar)] = built
                         continue
-                    narrowed[(node, nar)] = new = _call(graph, node, node.target, *built)
+                    narrowed[(node, nar)] = new = call_like(graph, node, node.target, *built)
                 _check_rows(node, new, nar)
             if not request.get(node) and (seed := _seed(node)) is not None:
                 base: fx.Node = node.args[0]  # type: ignore[assignment]
@@ -438,32 +438,14 @@ class Narrow(Transform):
         """``node`` narrowed by ``nar``, at the graph's insertion point (before ``reader``, whose phase
         and metadata it takes): a slice (a view), or for ``lead > 1`` the rows of each block copied out."""
         if nar.lead == 1:
-            return _call(graph, reader, aten.slice.Tensor, (node, nar.dim, nar.start, nar.stop), {})
+            return call_like(graph, reader, aten.slice.Tensor, (node, nar.dim, nar.start, nar.stop), {})
         shape = list(_shape(node) or ())
         blocks = shape[: nar.dim] + [nar.lead, shape[nar.dim] // nar.lead] + shape[nar.dim + 1 :]
         rows = shape[: nar.dim] + [nar.size()] + shape[nar.dim + 1 :]
-        cur = _call(graph, reader, aten.reshape.default, (node, blocks), {})
-        cur = _call(graph, reader, aten.slice.Tensor, (cur, nar.dim + 1, nar.start, nar.stop), {})
-        cur = _call(graph, reader, aten.clone.default, (cur,), {"memory_format": torch.contiguous_format})
-        return _call(graph, reader, aten.view.default, (cur, rows), {})
-
-
-def _call(
-    graph: fx.Graph, like: fx.Node, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> fx.Node:
-    """A new node ``target(*args, **kwargs)`` at the insertion point, with ``like``'s metadata (phase,
-    provenance, ...) and its value computed on the inputs' fake values. A view of a value that is no
-    longer contiguous (a slice) becomes a reshape."""
-    try:
-        val = _fake_run(target, args, kwargs)
-    except (RuntimeError, ValueError):  # fake tensors raise either for a view of a non-contiguous value
-        if target not in _VIEWS:
-            raise
-        target = aten.reshape.default
-        val = _fake_run(target, args, kwargs)
-    new = graph.call_function(target, args, kwargs)
-    new.meta = {**_meta(like), "val": val}
-    return new
+        cur = call_like(graph, reader, aten.reshape.default, (node, blocks), {})
+        cur = call_like(graph, reader, aten.slice.Tensor, (cur, nar.dim + 1, nar.start, nar.stop), {})
+        cur = call_like(graph, reader, aten.clone.default, (cur,), {"memory_format": torch.contiguous_format})
+        return call_like(graph, reader, aten.view.default, (cur, rows), {})
 
 
 def _check_rows(old: fx.Node, new: fx.Node, nar: Narrowing) -> None:
@@ -482,18 +464,3 @@ def _check_rows(old: fx.Node, new: fx.Node, nar: Narrowing) -> None:
                 "This is a bug in the transform's rule for "
                 f"{old.target}; skip the transform (to_inference(..., narrow=False)) and report it"
             )
-
-
-def _meta(node: fx.Node) -> dict[str, Any]:
-    return {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-
-
-def _fake_run(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    def unwrap(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return node_val(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(unwrap(x) for x in a)
-        return a
-
-    return target(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})

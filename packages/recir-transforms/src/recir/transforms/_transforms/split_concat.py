@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .._graph_util import call_like
 from .._step import StepGraph
 from .._transform import Transform, TransformResult, register_transform
 
@@ -112,42 +113,29 @@ def _match(cat: fx.Node, min_parts: int) -> tuple[fx.Node, fx.Node, fx.Node | No
 def _split(
     graph: fx.Graph, parts: list[fx.Node], product: fx.Node, bias: fx.Node | None, weight: fx.Node
 ) -> fx.Node:
-    """The nodes computing ``product`` from ``parts``, inserted before it; returns the sum."""
+    """The nodes computing ``product`` from ``parts``, inserted before it (with its metadata); returns the sum."""
     out = _val(product)
     assert out is not None
-    meta = {k: v for k, v in product.meta.items() if k != "val"}
-    rows = out.shape[0]
-    widen = out.dtype in _LOW_PRECISION
-
-    def add(
-        target: Any, args: tuple[Any, ...], val: torch.Tensor, kwargs: dict[str, Any] | None = None
-    ) -> fx.Node:
-        node = graph.call_function(target, args, kwargs or {})
-        node.meta.update(meta, val=val)
-        return node
-
-    w_val = _val(weight)
-    assert w_val is not None
+    rows, widen = out.shape[0], out.dtype in _LOW_PRECISION
     start, total = 0, None
     with graph.inserting_before(product):
         for i, part in enumerate(parts):
-            p_val = _val(part)
-            assert p_val is not None
-            k = p_val.shape[-1]
-            if not p_val.is_contiguous():
-                p_val = p_val.contiguous()
-                part = add(aten.clone.default, (part,), p_val, {"memory_format": torch.contiguous_format})
-            x = add(aten.view.default, (part, [rows, k]), p_val.view(rows, k))
-            w = add(aten.slice.Tensor, (weight, 0, start, start + k), w_val[start : start + k])
+            k = part.meta["val"].shape[-1]
+            if not part.meta["val"].is_contiguous():
+                part = call_like(
+                    graph, product, aten.clone.default, (part,), {"memory_format": torch.contiguous_format}
+                )
+            x = call_like(graph, product, aten.view.default, (part, [rows, k]))
+            w = call_like(graph, product, aten.slice.Tensor, (weight, 0, start, start + k))
             start += k
             if bias is not None and i == 0:
-                term = add(aten.addmm.default, (bias, x, w), out)
+                term = call_like(graph, product, aten.addmm.default, (bias, x, w))
             else:
-                term = add(aten.mm.default, (x, w), out)
+                term = call_like(graph, product, aten.mm.default, (x, w))
             if widen:
-                term = add(aten._to_copy.default, (term,), out.float(), {"dtype": torch.float32})
-            total = term if total is None else add(aten.add.Tensor, (total, term), term.meta["val"])
+                term = call_like(graph, product, aten._to_copy.default, (term,), {"dtype": torch.float32})
+            total = term if total is None else call_like(graph, product, aten.add.Tensor, (total, term))
         assert total is not None
         if widen:
-            total = add(aten._to_copy.default, (total,), out, {"dtype": out.dtype})
+            total = call_like(graph, product, aten._to_copy.default, (total,), {"dtype": out.dtype})
     return total
