@@ -65,6 +65,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         layer_dropout=args.layer_dropout,
         num_threads=args.threads,
         precision=args.precision,
+        table_dtype="fp32" if args.target in ("eager", "torch.compile") else args.table_dtype,
         matmul_precision=args.matmul_precision,
         host_memory=args.host_memory,
         token_budget=None
@@ -123,6 +124,7 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         device=device,
         compile_options=options,
         token_buckets=data.token_buckets,
+        table_dtype=opts.table_dtype,
     )
     if args.target == "torch.compile":
         trainer.loss_fn = torch.compile(loss_fn)  # type: ignore[attr-defined]
@@ -204,6 +206,8 @@ def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float
            "--deps_dir", str(root / "deps"), "--max_seq_len", str(uih + 2 + args.num_candidates),
            "--threads", str(args.threads), "--steps", str(args.rounds * args.steps + args.warmup),
            "--warmup", str(args.warmup), "--batch_size", str(batch)]  # fmt: skip
+    if args.table_dtype == "fp16":  # the reference's own table dtype (its FBGEMM TBE has no bf16 tables)
+        cmd += ["--emb_dtype", "fp16"]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout or None)
     except subprocess.TimeoutExpired:
@@ -218,7 +222,7 @@ def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float
 def _child_args(args: argparse.Namespace, uih: int, target: str, precision: str) -> list[str]:
     keep = ("embedding_dim", "num_layers", "num_heads", "num_candidates", "hash_size", "threads", "steps",
             "rounds", "warmup", "input_dropout", "layer_dropout", "host_memory", "token_budget",
-            "token_buckets")  # fmt: skip
+            "token_buckets", "table_dtype")  # fmt: skip
     out = [sys.executable, __file__, "--one", "--uih", str(uih), "--target", target, "--precision", precision]
     out += ["--device", args.device, "--batch_size", str(args.batch_size)]
     for k in keep:
@@ -293,6 +297,14 @@ def main() -> None:
         "every budget's (default %(default)s)",
     )
     p.add_argument(
+        "--table_dtype",
+        choices=("fp32", "fp16", "bf16"),
+        default="fp32",
+        help="the GPU and TPU paths' embedding tables stored fp32, fp16 or bf16 (recir-dlrmv3 train "
+        "--table_dtype); with --reference and fp16 the reference loop stores its tables fp16 too (its own "
+        "default) (default %(default)s)",
+    )
+    p.add_argument(
         "--timeout", type=float, default=0, help="seconds per row (0: none); a row over it prints 'failed'"
     )
     p.add_argument(
@@ -328,7 +340,7 @@ def main() -> None:
         )
     print(f"device {device}, {args.threads} CPU thread(s), torch {torch.__version__}, dim {args.embedding_dim}, "
           f"{args.num_layers} layers, {args.num_candidates} candidates, {args.hash_size} rows/table; ms/step over "
-          f"{args.rounds} rounds of {args.steps} steps; float32 products {args.matmul_precision or torch.get_float32_matmul_precision()}; host memory {args.host_memory}; GPU/TPU paths' token "
+          f"{args.rounds} rounds of {args.steps} steps; tables {args.table_dtype} on the GPU/TPU paths; float32 products {args.matmul_precision or torch.get_float32_matmul_precision()}; host memory {args.host_memory}; GPU/TPU paths' token "
           f"budget {args.token_budget}, {args.token_buckets} bucket(s); 'vs ref' = reference loop ms / ours "
           + (f"(the reference loop measured now from {args.reference})" if args.reference else
              "(docs/dlrmv3-reference.md: 2 CPU threads, so CPU runs only)"))  # fmt: skip

@@ -19,19 +19,11 @@ signed overflow is undefined in C++, and Inductor's scalar loop tails then compu
 from __future__ import annotations
 
 import torch
-from recir.transforms import register_override_op
+from recir.transforms import mix32, register_override_op
 from torch import Tensor
 
 _M32 = 0xFFFFFFFF
-_MUL = 0x45D9F3B  # < 2**27: a product with a 32-bit value stays below 2**59 in int64
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: the second key word is a mix of the first XOR this
-
-
-def mix32(x: Tensor) -> Tensor:
-    """A bijective 32-bit integer mixer on int64 tensors holding values in ``[0, 2**32)``."""
-    x = (torch.bitwise_xor(x >> 16, x) * _MUL) & _M32
-    x = (torch.bitwise_xor(x >> 16, x) * _MUL) & _M32
-    return torch.bitwise_xor(x >> 16, x)
 
 
 def step_key(seed: Tensor, offset: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from ._config import (
     PRECISIONS,
     RECOMPUTE,
     REGIONS_FROM_LAYERS,
+    TABLE_DTYPES,
     TABLE_SHARDINGS,
     TARGETS,
 )
@@ -125,6 +126,15 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         default=d["precision"],
         help="fp32, or bf16: matrix products in bf16 with fp32 master weights and optimizer state "
         "(recir-mixed-precision on the captured step; torch.autocast on --target eager) (default %(default)s)",
+    )
+    c.add_argument(
+        "--table_dtype",
+        choices=TABLE_DTYPES,
+        default=d["table_dtype"],
+        help="how the embedding tables are stored: fp32, or fp16 / bf16 (half the bytes; the reference stores "
+        "fp16): lookups widen the gathered rows, each update runs in fp32 and rounds stochastically, the "
+        "optimizer state stays fp32 (recir-embed-table-dtype on the captured step; --target gpu, tpu or "
+        "eager-graph, embedding backend in_graph) (default %(default)s)",
     )
     c.add_argument(
         "--matmul_precision",

@@ -118,6 +118,8 @@ def _kuairand_spec() -> DatasetSpec:
 TARGETS = ("eager", "eager-graph", "gpu", "tpu")
 # fp32 everywhere, or bf16 matrix products with fp32 master weights and optimizer state
 PRECISIONS = ("fp32", "bf16")
+#: --table_dtype: how the embedding tables are stored in training (recir-embed-table-dtype; fp16 is the reference's)
+TABLE_DTYPES = ("fp32", "fp16", "bf16")
 #: torch.set_float32_matmul_precision's settings (--matmul_precision): how float32 matrix products are computed
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 #: --recompute: none; layers (every STU layer recomputed in the backward from its input, activation

@@ -31,6 +31,9 @@ class TrainOptions:
     layer_dropout: float = ModelConfig.layer_dropout
     embedding_backend: str | None = None
     precision: str = "fp32"
+    # how the embedding tables are stored: fp32, or fp16/bf16 (recir-embed-table-dtype: float32 updates
+    # rounded stochastically, float32 optimizer state; the captured targets only)
+    table_dtype: str = "fp32"
     # torch.set_float32_matmul_precision for the run (None: leave torch's setting): the GPU path's TF32 on
     # CUDA, the TPU path's passes per float32 product (recir.lower_tpu follows torch's knob)
     matmul_precision: str | None = None
@@ -143,7 +146,7 @@ class TrainOptions:
             _check_directory(key, getattr(self, key))
         if self.checkpoint_every and not self.checkpoint_dir:
             raise config_error("--checkpoint_every needs --checkpoint_dir")
-        from ._config import MATMUL_PRECISIONS, PARALLEL, PRECISIONS, RECOMPUTE, STEP_RECOMPUTE
+        from ._config import MATMUL_PRECISIONS, PARALLEL, PRECISIONS, RECOMPUTE, STEP_RECOMPUTE, TABLE_DTYPES
 
         if self.embedding_backend == "cpu" and self.target != "tpu":
             raise config_error(
@@ -162,6 +165,21 @@ class TrainOptions:
         if self.precision not in PRECISIONS:
             raise config_error(
                 f"unknown --precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}"
+            )
+        if self.table_dtype not in TABLE_DTYPES:
+            raise config_error(
+                f"unknown --table_dtype {self.table_dtype!r}; expected one of {', '.join(TABLE_DTYPES)}"
+            )
+        if self.table_dtype != "fp32" and self.target == "eager":
+            raise config_error(
+                f"--table_dtype {self.table_dtype} rewrites the captured step; --target eager has none. Fix: "
+                "--target gpu, tpu or eager-graph, or --table_dtype fp32."
+            )
+        if self.table_dtype != "fp32" and self.embedding_backend not in (None, "in_graph"):
+            raise config_error(
+                f"--table_dtype {self.table_dtype} stores the tables in the step's own state, read by gathers "
+                f"in the graph; --embedding_backend {self.embedding_backend} looks them up outside it. Fix: "
+                "--embedding_backend in_graph (or leave it unset), or --table_dtype fp32."
             )
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise config_error(

@@ -280,6 +280,7 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         token_buckets=data.token_buckets,
         pipeline_sparse=opts.pipeline_sparse,
         mask_padding=opts.mask_padding,
+        table_dtype=opts.table_dtype,
     )
     for line in getattr(trainer, "plan_lines", []):  # placements and each choice's traffic per step
         log(line)

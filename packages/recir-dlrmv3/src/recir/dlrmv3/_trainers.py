@@ -22,7 +22,7 @@ from recir.capture import load_into, state_from, with_shared_step
 from recir.transforms import ConfigError
 
 from ._batch import Batch
-from ._config import EMBEDDING_BACKENDS, PRECISIONS, RECOMPUTE, TARGETS
+from ._config import EMBEDDING_BACKENDS, PRECISIONS, RECOMPUTE, TABLE_DTYPES, TARGETS
 from ._model import DLRMv3, loss_fn
 from ._released import ReleasedWeights
 
@@ -154,6 +154,7 @@ class CompiledTrainer:
         state: Any = None,
         pipeline_sparse: int = 0,
         mask_padding: bool = False,
+        table_dtype: str = "fp32",
     ) -> None:
         """`state`: another trainer's (same slots) to continue from instead of the model's.
         `pipeline_sparse` >= 2: recir-pipeline-sparse with that many stages; :meth:`step` then also takes
@@ -175,18 +176,30 @@ class CompiledTrainer:
         opt: Any = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         model.train()
         started = time.perf_counter()
-        rewrites = step_pipeline(precision, recompute, mask_padding)
+        rewrites = step_pipeline(precision, recompute, mask_padding, table_dtype)
+        if table_dtype != "fp32" and embedding_backend is None:  # the tables are read by gathers in the graph
+            embedding_backend = "in_graph"
         self.graph = rewrites.run(capture_train_step(model, opt, loss_fn, example, overrides=overrides()))
-        recomputed = "".join(
-            f", --recompute {recompute}: {r.stats['regions']} region(s), interpreter peak "
-            f"{r.stats['peak_bytes_before'] / 2**20:.0f} -> {r.stats['peak_bytes_after'] / 2**20:.0f} MiB"
-            for r in rewrites.records
-            if r.name == "recir-recompute-activations"
-        ) + "".join(
-            f", --mask_padding: {r.stats['features']} jagged feature(s), {r.stats['masked']} lookup(s) masked"
-            + ("" if r.stats["masked"] else " (the KJT path already masks its padding)")
-            for r in rewrites.records
-            if r.name == "recir-embed-mask-padding"
+        recomputed = (
+            "".join(
+                f", --recompute {recompute}: {r.stats['regions']} region(s), interpreter peak "
+                f"{r.stats['peak_bytes_before'] / 2**20:.0f} -> {r.stats['peak_bytes_after'] / 2**20:.0f} MiB"
+                for r in rewrites.records
+                if r.name == "recir-recompute-activations"
+            )
+            + "".join(
+                f", --table_dtype {table_dtype}: {len(r.stats['tables'])} table(s), "
+                f"{r.stats['bytes_saved'] / 2**20:.1f} MiB saved"
+                + (f", kept fp32: {r.stats['skipped']}" if r.stats["skipped"] else "")
+                for r in rewrites.records
+                if r.name == "recir-embed-table-dtype"
+            )
+            + "".join(
+                f", --mask_padding: {r.stats['features']} jagged feature(s), {r.stats['masked']} lookup(s) masked"
+                + ("" if r.stats["masked"] else " (the KJT path already masks its padding)")
+                for r in rewrites.records
+                if r.name == "recir-embed-mask-padding"
+            )
         )
         self.plan: Any = None  # the recir.distributed plan of a distributed run
         self.checkpoint_plan = None  # the plan state_dict()'s shards follow (None: global tensors)
@@ -256,13 +269,23 @@ class CompiledTrainer:
         if state is not None:
             self.state = state
         elif self._shares_model():  # the GPU path: one copy of the weights, trained in place
-            self.state = self.compiled.init_state(model, opt, share_model=True)
+            self.released = self._unshared_weights()  # --table_dtype's tables: dropped as they are converted
+            release = None if self.released is None else self.released.release_slot
+            self.state = self.compiled.init_state(model, opt, share_model=True, release=release)
         elif self.released is not None:
             self.state = self.compiled.init_state(model, opt, release=self.released.release_slot)
         else:
             self.state = self.compiled.init_state(model, opt)
+        if self.released is None and self._shares_model():  # a later budget's trainer, given the state
+            self.released = self._unshared_weights()
         if self.released is not None:
             self.released.release()
+            if (
+                target == "gpu"
+            ):  # glibc keeps the freed float32 tables resident otherwise (full size: 0.6 GiB)
+                from recir.embedding import trim_host_heap
+
+                trim_host_heap()
         self._first = True
         self.compile_seconds = 0.0
 
@@ -274,6 +297,17 @@ class CompiledTrainer:
         if not isinstance(self.compiled, TPUCompiledStep):
             return None
         return ReleasedWeights(self.model, (slot.name for slot in self.compiled.step.signature.state))
+
+    def _unshared_weights(self) -> ReleasedWeights | None:
+        """The GPU path's parameters the state holds in another dtype than the model's (``--table_dtype``'s
+        tables): released, so the process does not keep the model's float32 tables beside the state's
+        copy; `sync_model()` shows them again."""
+        from recir.transforms import param_slot
+
+        dtypes = {slot.name: slot.dtype for slot in self.compiled.step.signature.state}
+        params = self.model.named_parameters()
+        other = [param_slot(n) for n, p in params if dtypes.get(param_slot(n), p.dtype) != p.dtype]
+        return ReleasedWeights(self.model, other) if other else None
 
     def _shares_model(self) -> bool:
         """Whether the step trains the model's own tensors: a step that updates its state in place (the GPU
@@ -360,7 +394,7 @@ class CompiledTrainer:
     def sync_model(self) -> DLRMv3:
         """The trained state in the live model (a distributed run gathers it: every rank calls this). On the
         one-device TPU path the parameters become views of the trained JAX arrays (no copy) until the next
-        step, which releases them again."""
+        step, which releases them again; so do the GPU path's `--table_dtype` tables (converted copies)."""
         if self.released is not None:
             names = (slot.name for slot in self.compiled.step.signature.state)
             self.released.show(dict(zip(names, self.state)))
@@ -434,13 +468,16 @@ def _rows(batch: Batch) -> int:
     return int(batch.token_index.shape[0])
 
 
-def step_pipeline(precision: str, recompute: str = "none", mask_padding: bool = False) -> Any:
-    """The StepGraph rewrites `--mask_padding`, `--precision` and `--recompute` ask for: padded positions of
-    jagged id features zeroed in their unpooled lookups (recir-embed-mask-padding); bf16 matrix products
-    (fp32 master weights and optimizer state) for bf16; the STU layers' activations recomputed in the
+def step_pipeline(
+    precision: str, recompute: str = "none", mask_padding: bool = False, table_dtype: str = "fp32"
+) -> Any:
+    """The StepGraph rewrites `--mask_padding`, `--precision`, `--table_dtype` and `--recompute` ask for:
+    padded positions of jagged id features zeroed in their unpooled lookups (recir-embed-mask-padding); bf16
+    matrix products (fp32 master weights and optimizer state) for bf16; the tables stored fp16/bf16
+    (recir-embed-table-dtype); the STU layers' activations recomputed in the
     backward (`layers`), or the cheap values of every module (`auto`). `attention` is the model's own
     (`DLRMv3.recompute_attention_scores`): no rewrite here."""
-    from recir.embedding import MaskPadding
+    from recir.embedding import MaskPadding, TableDtype
     from recir.transforms import MixedPrecision, Pipeline, Recompute
 
     if precision not in PRECISIONS:
@@ -448,8 +485,12 @@ def step_pipeline(precision: str, recompute: str = "none", mask_padding: bool = 
     if recompute not in RECOMPUTE:
         raise ConfigError(f"unknown --recompute {recompute!r}; expected one of {', '.join(RECOMPUTE)}")
     transforms: list[Any] = [MaskPadding()] if mask_padding else []
+    if table_dtype not in TABLE_DTYPES:
+        raise ConfigError(f"unknown --table_dtype {table_dtype!r}; expected one of {', '.join(TABLE_DTYPES)}")
     if precision == "bf16":
         transforms.append(MixedPrecision(compute_dtype="bfloat16"))
+    if table_dtype != "fp32":
+        transforms.append(TableDtype(dtype=table_dtype))
     if recompute == "layers":
         transforms.append(Recompute(policy="regions", modules=("layers.*",)))
     elif recompute == "auto":
@@ -485,6 +526,7 @@ def make_trainer(
     token_buckets: Sequence[int] = (),
     pipeline_sparse: int = 0,
     mask_padding: bool = False,
+    table_dtype: str = "fp32",
 ) -> Trainer:
     """`eager`, or the captured step on `target` (CompiledTrainer: `parallel` other than `none` on the GPU
     path trains this rank's program, `example` then this rank's batch). `device` places the eager trainer
@@ -504,6 +546,7 @@ def make_trainer(
         recompute=recompute,
         pipeline_sparse=pipeline_sparse,
         mask_padding=mask_padding,
+        table_dtype=table_dtype,
     )
     if len(token_buckets) < 2:
         return first
@@ -520,6 +563,7 @@ def make_trainer(
             recompute=recompute,
             state=state,
             mask_padding=mask_padding,
+            table_dtype=table_dtype,
         )
 
     return BucketedTrainer(first, _rows(example), make, len(token_buckets))

@@ -50,6 +50,7 @@ from ._quantized_lookup import packed_row_bytes as packed_row_bytes
 from ._quantized_lookup import quantized_lookup_reference as quantized_lookup_reference
 from ._quantized_lookup import unpack_rows as unpack_rows
 from ._rowwise import dedupe as dedupe
+from ._rowwise import round_stochastic as round_stochastic
 from ._rowwise import sparse_update as sparse_update
 from ._rowwise_adagrad import RowWiseAdagrad as RowWiseAdagrad
 from ._table import EmbeddingTable as EmbeddingTable
@@ -71,6 +72,9 @@ from ._transforms.sparsify_update import SparsifyUpdate as SparsifyUpdate
 from ._transforms.split_host import HostSplit as HostSplit
 from ._transforms.split_host import SplitHostEmbeddings as SplitHostEmbeddings
 from ._transforms.split_host import split_host as split_host
+from ._transforms.table_dtype import TABLE_DTYPE_KEY as TABLE_DTYPE_KEY
+from ._transforms.table_dtype import TABLE_DTYPES as TABLE_DTYPES
+from ._transforms.table_dtype import TableDtype as TableDtype
 
 __version__ = "0.1.0"
 
@@ -120,6 +124,10 @@ __all__ = [
     "HostSplit",
     # serving: tables stored row-wise quantised (int8 + scale/bias, fp16)
     "QuantizeTables",
+    "TableDtype",
+    "TABLE_DTYPES",
+    "TABLE_DTYPE_KEY",
+    "round_stochastic",
     "MaskPadding",
     "JAGGED_KEY",
     "QuantizedTableInitializer",

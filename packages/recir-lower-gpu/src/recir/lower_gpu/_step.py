@@ -95,20 +95,34 @@ class GPUCompiledStep:
         return out
 
     def init_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, share_model: bool = False
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        share_model: bool = False,
+        release: Callable[[str], None] | None = None,
     ) -> list[torch.Tensor]:
         """Fresh device tensors (never aliasing the model or optimizer) in signature order. ``share_model``
         (with ``in_place``): the model's parameters and buffers already on this device, contiguous, are
         the state themselves, so each step trains the model in place and the process holds one copy of
-        its weights (``StepGraph.init_state(share_model=True)``)."""
+        its weights (``StepGraph.init_state(share_model=True)``). ``release(slot_name)`` is called as soon
+        as a slot's tensor exists, and each slot is built only then, so a caller that drops the model's
+        tensor there (DLRMv3's tables stored fp16) holds one converted table at a time beside the model's."""
         if share_model and not self.in_place:
             raise ConfigError(
                 "init_state(share_model=True) needs GPUOptions(in_place=True): a step that returns fresh state "
                 "tensors would leave the model behind. Fix: compile with in_place=True, or share_model=False."
             )
-        # step.init_state already copies (unless shared); moving to the device copies only when the device
+        # init_slot already copies (unless shared); moving to the device copies only when the device
         # differs, and .contiguous() only when the model's tensor is not.
-        return self._to_device(self.step.init_state(model, optimizer, share_model=share_model), copy=False)
+        out = []
+        for slot in self.step.signature.state:
+            out += self._to_device(
+                [self.step.init_slot(slot, model, optimizer, share_model=share_model)], copy=False
+            )
+            if release is not None:
+                release(slot.name)
+        return out
 
     def state_dict(self, state: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Slot name -> the live state tensor (updated in place by later steps; clone to snapshot)."""

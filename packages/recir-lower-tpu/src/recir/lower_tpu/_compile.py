@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -216,8 +217,14 @@ class TPUCompiledStep:
         one tensor at a time instead of two copies (full-size DLRMv3, with the heap trims below: building
         the state peaks at 1.98 GiB instead of 2.36 on a 2-core EPYC).
         """
-        # the model's own tensors, not clones: each is copied into a JAX buffer anyway (no third copy)
-        return self._put_state(self.step.init_state(model, optimizer, share_model=True), release)
+        # the model's own tensors, not clones: each is copied into a JAX buffer anyway (no third copy); a
+        # slot an initializer converts (a table stored fp16) is built only when its turn to be copied comes
+        step = self.step
+        lazy = [
+            functools.partial(step.init_slot, s, model, optimizer, share_model=True)
+            for s in step.signature.state
+        ]
+        return self._put_state(lazy, release)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[jax.Array]:
         return self._put_state(self.step.load_state_dict(state_dict))
@@ -386,17 +393,24 @@ class TPUCompiledStep:
         return jax.enable_x64(self.x64)
 
     def _put_state(
-        self, tensors: Sequence[torch.Tensor], release: Callable[[str], None] | None = None
+        self,
+        tensors: Sequence[torch.Tensor | Callable[[], torch.Tensor]],
+        release: Callable[[str], None] | None = None,
     ) -> list[jax.Array]:
-        pending: list[torch.Tensor | None] = list(tensors)
+        """JAX arrays of ``tensors`` (or of what each callable returns, called when its slot is copied)."""
+        slots = self.step.signature.state
+        pending: list[Any] = list(tensors)
         del tensors  # each source is dropped once copied (with `release`, the caller drops its own too)
         if not self.x64:  # every slot before the first copy: `release` must not have dropped any yet
-            assert all(t is not None for t in pending)
-            check_int32("state slot", self.step.signature.state, pending)
+            ints = [i for i, s in enumerate(slots) if s.dtype == torch.int64]
+            for i in ints:
+                pending[i] = pending[i]() if callable(pending[i]) else pending[i]
+            check_int32("state slot", [slots[i] for i in ints], [pending[i] for i in ints])
         with self._x64():
             state = []
             for i, (slot, sh) in enumerate(zip(self.step.signature.state, self._state_shardings)):
                 source, pending[i] = pending[i], None
+                source = source() if callable(source) else source
                 assert source is not None
                 large = source.numel() * source.element_size() >= _TRIM_AFTER_BYTES
                 state.append(to_jax(source, sh, owned=True))

@@ -16,11 +16,15 @@ import jax.numpy as jnp
 from ._registry import register_jax_lowering
 
 # -- recir::counter_uniform (recir-capture's random numbers) --------------------------------------
-_M32, _MUL, _GOLDEN = 0xFFFFFFFF, 0x45D9F3B, 0x9E3779B9  # recir.capture._rng's constants
+_M32, _MUL, _GOLDEN = (
+    0xFFFFFFFF,
+    0x45D9F3B,
+    0x9E3779B9,
+)  # recir.transforms.mix32's and recir.capture._rng's constants
 
 
 def _mix32(x):
-    """recir.capture._rng.mix32 on uint32: its int64 products masked to 32 bits are uint32's wrapping ones."""
+    """recir.transforms.mix32 on uint32: its int64 products masked to 32 bits are uint32's wrapping ones."""
     x = jnp.bitwise_xor(x >> 16, x) * jnp.uint32(_MUL)
     x = jnp.bitwise_xor(x >> 16, x) * jnp.uint32(_MUL)
     return jnp.bitwise_xor(x >> 16, x)

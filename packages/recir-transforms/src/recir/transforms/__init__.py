@@ -31,6 +31,7 @@ from ._errors import (
 from ._graph_util import alias_chain as alias_chain
 from ._graph_util import format_val as format_val
 from ._graph_util import format_window as format_window
+from ._hash import mix32 as mix32
 from ._hstu import HSTU_ATTENTION_OVERRIDE as HSTU_ATTENTION_OVERRIDE
 from ._hstu import hstu_attention as hstu_attention
 from ._hstu import hstu_attention_backward_reference as hstu_attention_backward_reference
@@ -322,6 +323,7 @@ __all__ = [
     "RECOMPUTE_KEY",
     "SplitConcatProducts",
     "transient_peak_bytes",
+    "mix32",
     # profiles: time per StepGraph region
     "RegionTime",
     "region_times",

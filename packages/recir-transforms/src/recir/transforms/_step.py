@@ -151,26 +151,38 @@ class StepGraph:
         with ``share_model``: then the parameter and buffer slots are the model's own tensors (detached,
         not copied), for a runner that updates state in place and so trains the model itself with no
         second copy of its weights. Optimizer slots are fresh either way."""
+        return [
+            self.init_slot(slot, model, optimizer, share_model=share_model) for slot in self.signature.state
+        ]
+
+    def init_slot(
+        self,
+        slot: StateSlot,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        share_model: bool = False,
+    ) -> torch.Tensor:
+        """One slot of :meth:`init_state`: a runner that copies the state slot by slot builds each value
+        only when it copies it (a table stored in another dtype than the model's is then converted one
+        table at a time)."""
         chain = (*self.initializers, _model_tensor if share_model else param_buffer_initializer)
-        state: list[torch.Tensor] = []
-        for slot in self.signature.state:
-            value = None
-            for init in chain:
-                value = init(slot, model, optimizer)
-                if value is not None:
-                    break
-            if value is None:
-                raise ConfigError(
-                    f"no initializer knows state slot {slot.name!r} ({slot.kind}). "
-                    "Fix: pass the model and optimizer the step was captured from, or add a SlotInitializer."
-                )
-            if tuple(value.shape) != slot.shape or value.dtype != slot.dtype:
-                raise ConfigError(
-                    f"state slot {slot.name!r}: expected {slot.dtype}{list(slot.shape)}, "
-                    f"the model/optimizer gives {value.dtype}{list(value.shape)}"
-                )
-            state.append(value)
-        return state
+        value = None
+        for init in chain:
+            value = init(slot, model, optimizer)
+            if value is not None:
+                break
+        if value is None:
+            raise ConfigError(
+                f"no initializer knows state slot {slot.name!r} ({slot.kind}). "
+                "Fix: pass the model and optimizer the step was captured from, or add a SlotInitializer."
+            )
+        if tuple(value.shape) != slot.shape or value.dtype != slot.dtype:
+            raise ConfigError(
+                f"state slot {slot.name!r}: expected {slot.dtype}{list(slot.shape)}, "
+                f"the model/optimizer gives {value.dtype}{list(value.shape)}"
+            )
+        return value
 
     def state_dict(self, state: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Map a flat state list back to slot names."""

@@ -29,7 +29,7 @@ from recir.transforms import (
     splice,
 )
 
-from .._rowwise import SPARSE_KINDS, sparse_update
+from .._rowwise import LOW_PRECISION_BITS, SPARSE_KINDS, sparse_update
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}
@@ -214,7 +214,10 @@ def _update_fn(
         flat = param.dim() != 2
         p2 = param.reshape(rows, dim) if flat else param
         s2 = [s.reshape(rows, dim) if flat and s.numel() == rows * dim else s for s in states]
-        new_p, new_st = sparse_update(kind, hp, p2, dict(zip(keys, s2)), lr_v, step_v, ids, g.to(p2.dtype))
+        g = g.to(
+            torch.float32 if p2.dtype in LOW_PRECISION_BITS else p2.dtype
+        )  # fp16/bf16 tables: fp32 maths
+        new_p, new_st = sparse_update(kind, hp, p2, dict(zip(keys, s2)), lr_v, step_v, ids, g)
         new = [new_p] + [new_st[key] for key in keys]
         return [t.reshape(sh) if tuple(t.shape) != tuple(sh) else t for t, sh in zip(new, shapes)]
 
