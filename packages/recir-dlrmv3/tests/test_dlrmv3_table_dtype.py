@@ -10,6 +10,7 @@ import pytest
 import torch
 from recir.dlrmv3 import TrainOptions, train
 from recir.dlrmv3._cli import main
+from recir.dlrmv3._parity import run_parity
 from recir.dlrmv3._train import build
 from recir.dlrmv3._trainers import make_trainer
 from recir.transforms import ConfigError
@@ -63,6 +64,10 @@ def test_dlrmv3_table_dtype_flags(capsys):
         TrainOptions(target="eager", table_dtype="fp16").check()
     with pytest.raises(ConfigError, match="--embedding_backend torchrec.*Fix: --embedding_backend in_graph"):
         TrainOptions(target="gpu", table_dtype="fp16", embedding_backend="torchrec").check()
+    with pytest.raises(
+        ConfigError, match="--precision bf16, --table_dtype fp16 change the step's maths.*Fix"
+    ):
+        run_parity(TrainOptions(**TINY, target="tpu", precision="bf16", table_dtype="fp16"), steps=1)
     with pytest.raises(SystemExit) as info:
         main(["train", "--table_dtype", "int8"])
     assert info.value.code == 2 and "--table_dtype" in capsys.readouterr().err

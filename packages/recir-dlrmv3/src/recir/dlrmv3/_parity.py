@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 from recir.capture import shared_step_layout
-from recir.transforms import lr_slot
+from recir.transforms import ConfigError, lr_slot
 
 from ._logs import log_info
 from ._options import TrainOptions
@@ -102,6 +102,15 @@ def run_parity(
     opts: TrainOptions, steps: int, log: Callable[[str], None] = log_info, atol: float = 1e-4
 ) -> tuple[list[ParityRow], bool]:
     """Trains `steps` steps both ways; returns the rows and whether every difference is <= atol."""
+    changed = [
+        f"--{k} {getattr(opts, k)}" for k in ("precision", "table_dtype") if getattr(opts, k) != "fp32"
+    ]
+    if changed:  # both sides would otherwise run fp32, the flags silently unused
+        raise ConfigError(
+            f"parity compares the captured step with eager fp32 training within --atol; {', '.join(changed)} "
+            "change the step's maths, so no parity is claimed for them. Fix: run parity without them, and "
+            "`train` with them (its eval metrics say what they cost)."
+        )
     model_e, data, opt_e = build(opts, log)
     model_c, _, opt_c = build(opts, log, data=data)  # the same batches, a second model and optimizers
     eager = EagerTrainer(model_e, opt_e)

@@ -268,6 +268,8 @@ class CompiledTrainer:
         self.released = self._released_weights() if target == "tpu" and mesh is None else None
         if state is not None:
             self.state = state
+            if self._shares_model():  # a later budget's trainer: the tables the first one released
+                self.released = self._unshared_weights()
         elif self._shares_model():  # the GPU path: one copy of the weights, trained in place
             self.released = self._unshared_weights()  # --table_dtype's tables: dropped as they are converted
             release = None if self.released is None else self.released.release_slot
@@ -276,13 +278,11 @@ class CompiledTrainer:
             self.state = self.compiled.init_state(model, opt, release=self.released.release_slot)
         else:
             self.state = self.compiled.init_state(model, opt)
-        if self.released is None and self._shares_model():  # a later budget's trainer, given the state
-            self.released = self._unshared_weights()
         if self.released is not None:
             self.released.release()
-            if (
-                target == "gpu"
-            ):  # glibc keeps the freed float32 tables resident otherwise (full size: 0.6 GiB)
+            if target == "gpu":
+                # glibc keeps the freed float32 tables resident otherwise (full size: 0.6 GiB); the TPU
+                # lowering trims after building its state itself
                 from recir.embedding import trim_host_heap
 
                 trim_host_heap()

@@ -16,11 +16,8 @@ import jax.numpy as jnp
 from ._registry import register_jax_lowering
 
 # -- recir::counter_uniform (recir-capture's random numbers) --------------------------------------
-_M32, _MUL, _GOLDEN = (
-    0xFFFFFFFF,
-    0x45D9F3B,
-    0x9E3779B9,
-)  # recir.transforms.mix32's and recir.capture._rng's constants
+# recir.transforms.mix32's and recir.capture._rng's constants
+_M32, _MUL, _GOLDEN = 0xFFFFFFFF, 0x45D9F3B, 0x9E3779B9
 
 
 def _mix32(x):
