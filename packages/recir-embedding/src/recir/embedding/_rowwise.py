@@ -67,7 +67,8 @@ def low_precision_delta(old: Tensor, new: Tensor, salt: Tensor) -> Tensor:
     A table's update is written back as this delta, accumulated in the table's dtype (one scatter, as for
     float32 tables), so the row becomes ``old + delta`` rounded to nearest: the stochastically rounded
     value itself whenever it and ``old`` lie within a factor of two of each other (Sterbenz: the
-    difference is exact), otherwise a unit away at most (a row crossing zero, or leaving a value near it).
+    difference is exact); otherwise (a row crossing zero, or leaving a value near it) it can miss by up to
+    about one unit of the larger value's spacing, as the delta itself rounds at that scale.
     The dense form of the update (recir-embed-table-dtype) computes the same sum, so both agree.
     """
     target = round_stochastic(new, old.dtype, salt)
