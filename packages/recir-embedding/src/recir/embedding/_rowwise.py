@@ -60,6 +60,13 @@ def round_stochastic(x: Tensor, dtype: torch.dtype, salt: Tensor) -> Tensor:
     return torch.where(special, nearest, exact)
 
 
+def element_index(rows: Tensor, dim: int) -> Tensor:
+    """``[len(rows), dim]`` int64: each element's flat index in a ``[R, dim]`` table, for the rows ``rows``
+    (:func:`round_stochastic`'s salt; the dense form passes every row, the row-wise form the touched ones)."""
+    cols = torch.arange(dim, device=rows.device, dtype=torch.int64)
+    return rows.to(torch.int64).unsqueeze(1) * dim + cols
+
+
 def low_precision_delta(old: Tensor, new: Tensor, salt: Tensor) -> Tensor:
     """What a row update of a table stored in ``old.dtype`` (float16/bfloat16) adds to ``old``: the float32
     ``new`` rounded stochastically (:func:`round_stochastic`), minus ``old``, in ``old``'s dtype.
@@ -148,8 +155,7 @@ def sparse_update(
     # A low-precision row: one scatter of low_precision_delta. (Subtracting the old value, then adding the
     # rounded one, would be exact, but two scatters of one table make XLA copy the table twice per step.)
     if low:
-        cols = torch.arange(param.shape[1], device=rows.device, dtype=torch.int64)
-        step_delta = low_precision_delta(p, new_p, rows.unsqueeze(1) * param.shape[1] + cols)
+        step_delta = low_precision_delta(p, new_p, element_index(rows, param.shape[1]))
         out_p = param.index_put((rows,), delta(step_delta, torch.zeros_like(step_delta)), accumulate=True)
     else:
         out_p = param.index_put((rows,), delta(new_p, p), accumulate=True)

@@ -38,7 +38,7 @@ from recir.transforms import (
 )
 from torch import Tensor, nn
 
-from .._rowwise import low_precision_delta
+from .._rowwise import element_index, low_precision_delta
 from .sparsify_update import embedding_tables
 
 aten = torch.ops.aten
@@ -67,14 +67,6 @@ class TableDtypeInitializer:
         except AttributeError:
             return None
         return weight.detach().to(TABLE_DTYPES[dtype])  # no float32 copy of the table on the way
-
-
-def _salt(table: Tensor) -> Tensor:
-    """Each element's index in the ``[R, D]`` table (int64): :func:`round_stochastic`'s salt, the same one
-    the row-wise update uses for the same element."""
-    rows = torch.arange(table.shape[0], device=table.device, dtype=torch.int64)
-    cols = torch.arange(table.shape[1], device=table.device, dtype=torch.int64)
-    return rows.unsqueeze(1) * table.shape[1] + cols
 
 
 @register_transform
@@ -202,7 +194,9 @@ class TableDtype(Transform):
         known = set(graph.nodes)
 
         def rounded_table(new: Tensor, old: Tensor) -> Tensor:  # what the row-wise form's scatter leaves
-            return (old.float() + low_precision_delta(old, new, _salt(new)).float()).to(old.dtype)
+            every_row = torch.arange(new.shape[0], device=new.device)
+            delta = low_precision_delta(old, new, element_index(every_row, new.shape[1]))
+            return (old.float() + delta.float()).to(old.dtype)
 
         (rounded,) = splice(
             graph,
