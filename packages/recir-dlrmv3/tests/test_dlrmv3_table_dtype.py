@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dlrmv3_output import messages
 from recir.dlrmv3 import TrainOptions
 from recir.dlrmv3._cli import main
 from recir.dlrmv3._parity import run_parity
@@ -69,3 +70,35 @@ def test_dlrmv3_table_dtype_flags(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--table_dtype", "int8"])
     assert info.value.code == 2 and "--table_dtype" in capsys.readouterr().err
+
+
+def test_dlrmv3_resume_converts_tables_saved_in_another_table_dtype(tmp_path, capsys):
+    """A checkpoint's tables load into a run that stores them in another --table_dtype: widened exactly
+    (the resumed step computes the loss the fp16 run computes) or rounded, each conversion logged."""
+    flags = [f"--{k}={v}" for k, v in {**TINY, "num_eval_batches": 1, "log_every": 1}.items()]
+    flags += ["--target=eager-graph", "--input_dropout=0", "--layer_dropout=0"]
+
+    def train(ckpt: str, steps: int, table_dtype: str, *extra: str) -> list[str]:
+        args = ["train", *flags, f"--num_train_batches={steps}", "--checkpoint_every=2"]
+        assert (
+            main([*args, f"--checkpoint_dir={tmp_path / ckpt}", f"--table_dtype={table_dtype}", *extra]) == 0
+        )
+        return [x for x in messages(capsys.readouterr().out) if x.startswith(("epoch", "--resume"))]
+
+    def losses(lines: list[str]) -> list[float]:
+        return [float(x.split()[5]) for x in lines if x.startswith("epoch")]
+
+    straight = losses(train("fp16", 3, "fp16"))
+    train("half", 2, "fp16")
+    resumed = train("half", 3, "fp32", "--resume")
+    assert [x for x in resumed if x.startswith("--resume")] == [
+        f"--resume: param:ec.embeddings.{t}.weight saved as float16, this run stores it as float32 (widened exactly)"
+        for t in sorted(TABLES)  # slot-name order
+    ]
+    assert losses(resumed) == pytest.approx(straight[2:], rel=1e-6)
+    train("full", 2, "fp32")
+    rounded = train("full", 3, "bf16", "--resume")
+    assert (
+        sum("saved as float32, this run stores it as bfloat16 (rounded to nearest)" in x for x in rounded)
+        == 3
+    )

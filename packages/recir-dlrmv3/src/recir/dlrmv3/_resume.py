@@ -229,16 +229,35 @@ def _lazy_optimizer_slots(model: torch.nn.Module, optimizers: list[torch.optim.O
     return out
 
 
-def restore(trainer: Trainer, path: Path, opts: TrainOptions) -> None:
+# The dtypes --table_dtype stores an embedding table in (recir-embed-table-dtype): a table slot saved in
+# one of them loads into a run that stores it in another (widened exactly, or rounded to nearest).
+_TABLE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _table_dtype_change(problem: Any) -> bool:
+    """Whether `problem` is a parameter slot saved in another of --table_dtype's dtypes than this run's."""
+    return (
+        problem.kind == "dtype"
+        and problem.slot.startswith("param:")
+        and problem.checkpoint in _TABLE_DTYPES
+        and problem.run in _TABLE_DTYPES
+    )
+
+
+def restore(trainer: Trainer, path: Path, opts: TrainOptions) -> list[str]:
     """Loads checkpoint `path` into `trainer` once every slot fits: a slot missing from the checkpoint or
     one this run does not have is an error unless --allow_fresh_slots names it, and so is any shape or
-    dtype difference (all listed, `CheckpointMismatchError`)."""
+    dtype difference (all listed, `CheckpointMismatchError`), except a parameter saved in another of
+    --table_dtype's dtypes (float32, float16, bfloat16), which is converted. Returns one line per
+    conversion, for the log."""
     from recir.distributed import CheckpointMismatchError, compare_slots, load_resharded, saved_slots
 
     saved = saved_slots(path) or {}
     wanted = run_slots(trainer)
     saved_c, wanted_c = _compare_layout(saved), _compare_layout(wanted)
     problems = compare_slots(saved_c, wanted_c, opts.allow_fresh_slots)
+    converted = [p for p in problems if _table_dtype_change(p)]
+    problems = [p for p in problems if not _table_dtype_change(p)]
     if problems:
         lines = []
         for p in problems:
@@ -255,4 +274,18 @@ def restore(trainer: Trainer, path: Path, opts: TrainOptions) -> None:
     state = load_resharded(path, trainer.checkpoint_plan, slots=read, verify=False)
     if STEP_SLOT in wanted:
         state = {k: v for k, v in with_shared_step(state).items() if k in wanted}
+    lines = []
+    for p in converted:  # --table_dtype changed since the checkpoint: the table in this run's dtype
+        dtype = getattr(torch, p.run)
+        widened = torch.finfo(dtype).bits > torch.finfo(getattr(torch, p.checkpoint)).bits
+        value = state[p.slot].to(dtype)
+        if not widened and bool((value.isinf() & state[p.slot].isfinite()).any()):
+            raise DataError(
+                f"--resume {path}: {p.slot} has values beyond {p.run}'s range, saved as {p.checkpoint}. "
+                f"Fix: resume with the --table_dtype it was written with"
+            )
+        state[p.slot] = value
+        how = "widened exactly" if widened else "rounded to nearest"
+        lines.append(f"--resume: {p.slot} saved as {p.checkpoint}, this run stores it as {p.run} ({how})")
     trainer.load_state_dict(state)
+    return lines

@@ -286,7 +286,8 @@ def train(opts: TrainOptions, log: Callable[[str], None] = log_info) -> TrainRes
         log(line)
     if resumed:
         # the checkpoint may come from another plan, world size or path: read this trainer's shards
-        restore(trainer, resumed[0], opts)
+        for line in restore(trainer, resumed[0], opts):  # a table stored in another --table_dtype
+            log(line)
         log(f"resumed from step {start} ({resumed[0]})")
     writer = None
     if opts.tensorboard_dir and rank == 0:  # scalars at the console's step numbers (steps done)
