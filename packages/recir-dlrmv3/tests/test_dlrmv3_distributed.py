@@ -152,6 +152,19 @@ def test_dlrmv3_tpu_mesh_data8_matches_one_device(tmp_path):
     assert any("--pipeline_sparse 2: " in line for line in plines), plines
     assert pipelined.losses == pytest.approx(meshed.losses, rel=1e-6, abs=1e-7)
     assert pipelined.metrics == pytest.approx(meshed.metrics, rel=1e-5, abs=1e-6, nan_ok=True)
+    # --table_dtype fp16 under the mesh, pipelined: GSPMD shards the fp16 tables, and the run trains as the
+    # one-device fp16 run does (the same stochastic rounding bits)
+    hlines: list[str] = []
+    half = train(
+        TrainOptions(target="tpu", mesh="data=8", pipeline_sparse=2, table_dtype="fp16", **opts),  # type: ignore[arg-type]
+        log=hlines.append,
+    )
+    assert any("--table_dtype fp16: 3 table(s)" in line and "mesh {'data': 8}" in line for line in hlines), (
+        hlines
+    )
+    one = train(TrainOptions(target="tpu", table_dtype="fp16", **opts), log=lambda _: None)  # type: ignore[arg-type]
+    assert half.losses == pytest.approx(one.losses, rel=1e-5, abs=1e-6)
+    assert half.losses != pytest.approx(meshed.losses, rel=1e-7, abs=0)  # the fp16 tables took effect
     # the TPU path's (global) checkpoint resumes on the GPU path's distributed program (1-rank group)
     try:
         resumed = train(

@@ -63,6 +63,10 @@ def test_dlrmv3_table_dtype_flags(capsys):
         TrainOptions(target="eager", table_dtype="fp16").check()
     with pytest.raises(ConfigError, match="--embedding_backend torchrec.*Fix: --embedding_backend in_graph"):
         TrainOptions(target="gpu", table_dtype="fp16", embedding_backend="torchrec").check()
+    for parallel in ("hybrid", "fsdp", "auto"):  # torch.distributed's table sharding: fp32 tables only
+        with pytest.raises(ConfigError, match=f"--parallel {parallel}: .*Fix: --parallel dp"):
+            TrainOptions(target="gpu", table_dtype="fp16", parallel=parallel).check()
+    TrainOptions(target="gpu", table_dtype="fp16", parallel="dp").check()
     with pytest.raises(
         ConfigError, match="--precision bf16, --table_dtype fp16 change the step's maths.*Fix"
     ):
