@@ -78,6 +78,7 @@ REFERENCE_COMMIT = "db1bf8f"
 REFERENCE_URL = "https://github.com/meta-recsys/generative-recommenders"
 EXTRA_DEPS = "gin-config pandas python-dateutil six pytz tzdata"
 DEFAULT_GR_DIR = os.path.join(".reference", "generative-recommenders")
+DEFAULT_DEPS_DIR = os.path.join(".reference", "deps")  # where reference_setup.sh installs EXTRA_DEPS
 UTILS_FILE = os.path.join("generative_recommenders", "dlrm_v3", "train", "utils.py")
 SORTED_INDEX_SELECT = "torchrec.modules.sorted_index_select"
 
@@ -111,8 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--deps_dir",
-        default=None,
-        help=f"extra sys.path folder holding {EXTRA_DEPS} (not needed when they are installed)",
+        default=DEFAULT_DEPS_DIR if os.path.isdir(DEFAULT_DEPS_DIR) else None,
+        help=f"extra sys.path folder holding {EXTRA_DEPS} (not needed when they are installed; default "
+        f"{DEFAULT_DEPS_DIR} where benchmarks/reference_setup.sh puts them, when it exists)",
     )
     p.add_argument(
         "--max_seq_len",
