@@ -229,19 +229,18 @@ def _lazy_optimizer_slots(model: torch.nn.Module, optimizers: list[torch.optim.O
     return out
 
 
-# The dtypes --table_dtype stores an embedding table in (recir-embed-table-dtype): a table slot saved in
-# one of them loads into a run that stores it in another (widened exactly, or rounded to nearest).
-_TABLE_DTYPES = ("float32", "float16", "bfloat16")
+def _table_dtype_changes(problems: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``(converted, rest)``: the parameter slots saved in another dtype that a table may be stored in
+    (float32, or one of recir-embed-table-dtype's), which a resume converts; every other problem."""
+    from recir.embedding import TABLE_DTYPES
 
-
-def _table_dtype_change(problem: Any) -> bool:
-    """Whether `problem` is a parameter slot saved in another of --table_dtype's dtypes than this run's."""
-    return (
-        problem.kind == "dtype"
-        and problem.slot.startswith("param:")
-        and problem.checkpoint in _TABLE_DTYPES
-        and problem.run in _TABLE_DTYPES
-    )
+    stored = {"float32", *(str(d).removeprefix("torch.") for d in TABLE_DTYPES.values())}
+    converted = [
+        p
+        for p in problems
+        if p.kind == "dtype" and p.slot.startswith("param:") and {p.checkpoint, p.run} <= stored
+    ]
+    return converted, [p for p in problems if p not in converted]
 
 
 def restore(trainer: Trainer, path: Path, opts: TrainOptions) -> list[str]:
@@ -256,8 +255,7 @@ def restore(trainer: Trainer, path: Path, opts: TrainOptions) -> list[str]:
     wanted = run_slots(trainer)
     saved_c, wanted_c = _compare_layout(saved), _compare_layout(wanted)
     problems = compare_slots(saved_c, wanted_c, opts.allow_fresh_slots)
-    converted = [p for p in problems if _table_dtype_change(p)]
-    problems = [p for p in problems if not _table_dtype_change(p)]
+    converted, problems = _table_dtype_changes(problems)
     if problems:
         lines = []
         for p in problems:
