@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from recir.embedding import advise_huge_pages, advise_large_buffers, huge_page_bytes, huge_pages_supported
@@ -27,3 +32,57 @@ def test_small_buffers_and_thresholds_advise_nothing():
     big = torch.randn(4 << 20)
     assert advise_large_buffers([(big.data_ptr(), big.nbytes)], min_bytes=None) == 0
     assert advise_large_buffers([(big.data_ptr(), big.nbytes)], min_bytes=big.nbytes + 1) == 0
+
+
+_HEAP_ROOM_CHILD = r"""
+import ctypes, json
+from recir.embedding import host_heap_free, make_heap_room
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+# what recir.lower_gpu.retain_host_memory sets: no mmap (one heap), no trim of the heap's top
+assert libc.mallopt(-4, 0) and libc.mallopt(-8, 1) and libc.mallopt(-1, 2**31 - 1)
+
+def rss():
+    return next(int(l.split()[1]) << 10 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+
+MiB = 1 << 20
+big = libc.malloc(200 * MiB)
+ctypes.memset(big, 1, 200 * MiB)  # resident
+# live, above it (larger than any free chunk, so it comes from the top): the freed block cannot merge back
+guard = host_heap_free().largest + (64 << 10)
+small = libc.malloc(guard)
+ctypes.memset(small, 1, guard)
+libc.free(big)
+heap = host_heap_free()
+out = {"largest": heap.largest, "fits_150": heap.fits(150 * MiB), "fits_300": heap.fits(300 * MiB)}
+before = rss()
+out["room_150"] = make_heap_room(150 * MiB)  # the freed block holds it: nothing to do
+out["kept"] = before - rss()
+out["room_300"] = make_heap_room(300 * MiB)  # it does not: its pages go back first
+out["released"] = before - rss()
+out["room_300_small_free"] = make_heap_room(300 * MiB, min_free=300 * MiB)  # too little free to bother
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
+def test_make_heap_room_trims_free_chunks_too_small_for_the_next_block():
+    """Under retain_host_memory a freed 200 MiB block, split off the heap's top by a live allocation, stays
+    resident; before a 300 MiB block (which grows the heap) make_heap_room hands its pages back, before a
+    150 MiB block (which fits it) it leaves them. In a child process: mallopt is process-wide."""
+    run = subprocess.run(
+        [sys.executable, "-c", _HEAP_ROOM_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    mib = 1 << 20
+    assert 200 * mib <= out["largest"] < 201 * mib
+    assert out["fits_150"] and not out["fits_300"]
+    assert out["room_150"] is False and abs(out["kept"]) < 16 * mib
+    assert out["room_300"] is True and out["released"] > 180 * mib
+    assert out["room_300_small_free"] is False

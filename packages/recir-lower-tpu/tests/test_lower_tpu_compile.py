@@ -224,6 +224,27 @@ def test_trim_host_heap_runs_where_there_is_glibc():
     assert trim_host_heap() is (platform.libc_ver()[0] == "glibc")
 
 
+def test_each_call_makes_room_in_the_host_heap_for_xlas_temporaries(sgd_step, monkeypatch):
+    """On JAX's CPU backend the step knows its temporaries' block (XLA's memory analysis) and, when it is
+    large, asks recir.embedding.make_heap_room for that much before each call (here with the threshold
+    lowered to this tiny step's block)."""
+    import recir.lower_tpu._compile as lowering
+
+    model = _mlp()
+    batches = _batches(2)
+    compiled = compile(sgd_step(model, _mse, batches[0], lr=0.05))
+    asked: list[int] = []
+    monkeypatch.setattr(lowering, "make_heap_room", lambda n: asked.append(n) or False)
+    state = compiled.init_state(model)
+    state, _ = compiled(state, batches[0])
+    assert asked == []  # a few KiB: under the threshold, nothing to check
+    temp = compiled._host_temp_bytes
+    assert temp == compiled._compiled.memory_analysis().temp_size_in_bytes > 0
+    monkeypatch.setattr(lowering, "_HEAP_ROOM_MIN_BYTES", 1)
+    state, _ = compiled(state, batches[1])
+    assert asked == [temp]
+
+
 def test_state_past_int32_without_x64_is_refused_by_name():
     from recir.capture import capture_train_step
 

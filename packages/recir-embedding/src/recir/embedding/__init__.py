@@ -25,10 +25,13 @@ from ._embedding_bag_override import EmbeddingBagStandIn as EmbeddingBagStandIn
 from ._host import CutHostSplit as CutHostSplit
 from ._host import HostEmbeddings as HostEmbeddings
 from ._huge_pages import DEFAULT_MIN_BYTES as HUGE_PAGES_MIN_BYTES
+from ._huge_pages import HeapFree as HeapFree
 from ._huge_pages import advise_huge_pages as advise_huge_pages
 from ._huge_pages import advise_large_buffers as advise_large_buffers
+from ._huge_pages import host_heap_free as host_heap_free
 from ._huge_pages import huge_page_bytes as huge_page_bytes
 from ._huge_pages import huge_pages_supported as huge_pages_supported
+from ._huge_pages import make_heap_room as make_heap_room
 from ._huge_pages import thp_mode as thp_mode
 from ._huge_pages import trim_host_heap as trim_host_heap
 from ._jagged import JaggedBatch as JaggedBatch
@@ -158,6 +161,9 @@ __all__ = [
     "huge_page_bytes",
     "huge_pages_supported",
     "trim_host_heap",
+    "HeapFree",
+    "host_heap_free",
+    "make_heap_room",
     "thp_mode",
     "HUGE_PAGES_MIN_BYTES",
     # errors (shared with recir.transforms)

@@ -20,8 +20,10 @@ import ctypes.util
 import functools
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 log = logging.getLogger("recir.embedding")
 
@@ -139,3 +141,76 @@ def huge_page_bytes(address: int, nbytes: int) -> int:
         elif inside and line.startswith("AnonHugePages:"):
             total += int(line.split()[1]) * 1024
     return total
+
+
+@dataclass(frozen=True)
+class HeapFree:
+    """Free memory the C heap holds (glibc's ``malloc_info`` and ``mallinfo2``), in bytes: ``largest``, the
+    largest free chunk in any arena's bins; ``top``, the main arena's top chunk (it can also grow);
+    ``free``, all free bytes in the arenas, the top included (resident or not: a trim releases pages,
+    the chunks stay)."""
+
+    largest: int
+    top: int
+    free: int
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether one allocation of ``nbytes`` is served without growing the heap."""
+        return max(self.largest, self.top) >= nbytes
+
+
+_CHUNK = re.compile(rb'<(?:size|unsorted) from="\d+" to="(\d+)"')
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]  # fmt: skip
+
+
+def host_heap_free() -> HeapFree | None:
+    """The C heap's free chunks now (:class:`HeapFree`); None where there is no glibc 2.33+ (``mallinfo2``).
+    Costs a walk of the arenas' free lists (well under a millisecond for a training process's heap)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2") or not hasattr(libc, "malloc_info"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    libc.open_memstream.restype = ctypes.c_void_p
+    libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    libc.free.argtypes = [ctypes.c_void_p]
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+    if not stream:
+        return None
+    try:
+        libc.malloc_info(0, stream)
+    finally:
+        libc.fclose(stream)  # flushes: buf and size are set now
+    try:
+        text = ctypes.string_at(buf, size.value) if buf.value else b""
+    finally:
+        libc.free(buf)
+    info = libc.mallinfo2()
+    largest = max((int(m.group(1)) for m in _CHUNK.finditer(text)), default=0)
+    return HeapFree(largest=largest, top=int(info.keepcost), free=int(info.fordblks))
+
+
+def make_heap_room(nbytes: int, *, min_free: int = 64 << 20) -> bool:
+    """Before allocating one block of ``nbytes``: when no free chunk of the C heap holds it (so the heap
+    grows by about ``nbytes``) while at least ``min_free`` bytes lie free in chunks too small for it, hand
+    those chunks' pages back to the kernel first (:func:`trim_host_heap`), so the new block does not sit
+    beside that much resident free memory. Returns whether it trimmed.
+
+    This is for processes that keep freed memory (``recir.lower_gpu.retain_host_memory``: no trim, no
+    mmap): there, a large block freed and then split by small allocations cannot take the same block again,
+    and without this the peak resident memory grows by the block's size once more."""
+    heap = host_heap_free()
+    if heap is None or heap.fits(nbytes) or heap.free - heap.top < min_free:
+        return False
+    log.debug(
+        "recir.embedding: a %.0f MiB block does not fit the heap's free chunks (largest %.0f MiB, top %.0f MiB, "
+        "%.0f MiB free): trimming first", nbytes / 2**20, heap.largest / 2**20, heap.top / 2**20, heap.free / 2**20,
+    )  # fmt: skip
+    return trim_host_heap()
