@@ -239,6 +239,9 @@ def test_each_call_makes_room_in_the_host_heap_for_xlas_temporaries(sgd_step, mo
     state, _ = compiled(state, batches[0])
     assert asked == []  # a few KiB: under the threshold, nothing to check
     temp = compiled._host_temp_bytes
+    if jax.default_backend() != "cpu":  # a TPU's temporaries live in its HBM: nothing to check on the host
+        assert temp == 0
+        return
     assert temp == compiled._compiled.memory_analysis().temp_size_in_bytes > 0
     monkeypatch.setattr(lowering, "_HEAP_ROOM_MIN_BYTES", 1)
     state, _ = compiled(state, batches[1])
