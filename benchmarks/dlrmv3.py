@@ -5,7 +5,11 @@ DIR`, the reference loop itself measured in the same run by benchmarks/reference
 eager measured here. `prod GF`: the matrix products' (mm, addmm, bmm) GFLOP of the captured step that ran
 each timed batch (mean); `GF/s`: those over the median step time, what the step would need from the CPU's
 products alone (compare with a bare `torch.mm` of the same shapes: when it is close, the step is bound by
-its products, and only fewer products make it faster).
+its products, and only fewer products make it faster). `prod ms`: those products timed in the same process
+as bare ATen calls (each distinct op, shape and dtype on fresh contiguous operands, this process's threads),
+summed over the step: what the products alone cost at the kernels' own speed, a floor the step approaches
+only as everything else vanishes (the GPU path's own float32 CPU products go through oneDNN, ATen's `mm`
+through MKL, so they can be somewhat faster).
 
 Not a test. Each (configuration, target, precision) runs in its own process, so its peak RSS is its
 own. The compiled paths pack each batch's real tokens (`--token_budget`, default auto: the per-batch mean
@@ -151,6 +155,11 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         float(loss)  # wait for asynchronous backends (and the CUDA stream)
         rounds.append((time.perf_counter() - started) / args.steps * 1000)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    floor = [
+        _product_ms(trainer, b)
+        for r in range(args.rounds)
+        for b in batches(args.warmup + r * args.steps, args.steps)
+    ]
     return {
         "device_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan,
         "min_ms": min(rounds),
@@ -164,15 +173,16 @@ def _one(args: argparse.Namespace) -> dict[str, float]:
         "compile_all_s": (trainer.compile_seconds or first) + sum(getattr(trainer, "compiles_seconds", [])),
         "torch": torch.__version__,
         "product_gflop": statistics.mean(flops) / 1e9,
+        "product_ms": statistics.mean(floor),
     }
 
 
 _PRODUCTS: dict[int, float] = {}
 
 
-def _product_flops(trainer: Any, batch: Any) -> float:
-    """Floating-point operations of the matrix products (``mm``, ``addmm``, ``bmm``) in the captured step
-    that runs ``batch`` (its token budget's, with --token_buckets), before lowering; nan for eager."""
+def _products(trainer: Any, batch: Any) -> tuple[Any, list[Any]]:
+    """The captured step that runs ``batch`` (its token budget's, with --token_buckets) and its matrix
+    products (``mm``, ``addmm``, ``bmm`` nodes, before lowering); (None, []) for eager."""
     import torch
 
     bucketed = getattr(trainer, "by_rows", None)
@@ -182,16 +192,60 @@ def _product_flops(trainer: Any, batch: Any) -> float:
         trainer = bucketed.get(_rows(batch), trainer)
     step = getattr(trainer, "graph", None)
     if step is None:
+        return None, []
+    aten = torch.ops.aten
+    products = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+    return step, [n for n in step.graph.nodes if n.target in products]
+
+
+def _product_flops(trainer: Any, batch: Any) -> float:
+    """Floating-point operations of the matrix products of the captured step that runs ``batch``; nan for
+    eager."""
+    import torch
+
+    step, nodes = _products(trainer, batch)
+    if step is None:
         return math.nan
     if id(step) not in _PRODUCTS:
-        aten, total = torch.ops.aten, 0.0
-        for node in step.graph.nodes:
-            if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-                a, b = (x.meta["val"] for x in node.args[-2:]) if node.target is aten.addmm.default else (
-                    x.meta["val"] for x in node.args[:2])  # fmt: skip
-                total += 2 * a.numel() * b.shape[-1]
+        total = 0.0
+        for node in nodes:
+            a, b = (x.meta["val"] for x in node.args[-2:]) if node.target is torch.ops.aten.addmm.default else (
+                x.meta["val"] for x in node.args[:2])  # fmt: skip
+            total += 2 * a.numel() * b.shape[-1]
         _PRODUCTS[id(step)] = total
     return _PRODUCTS[id(step)]
+
+
+_BARE: dict[tuple[Any, ...], float] = {}
+_FLOORS: dict[int, float] = {}
+
+
+def _product_ms(trainer: Any, batch: Any) -> float:
+    """Milliseconds the matrix products of the step that runs ``batch`` take as bare ATen calls on this CPU
+    (each distinct op, shape and dtype timed here on fresh contiguous operands with this process's threads,
+    the median of 3), summed: what its products alone cost at the kernels' own speed; nan for eager."""
+    import torch
+
+    step, nodes = _products(trainer, batch)
+    if step is None:
+        return math.nan
+    if id(step) not in _FLOORS:
+        total = 0.0
+        for node in nodes:
+            vals = [a.meta["val"] for a in node.args if hasattr(a, "meta")]
+            key = (node.target, *((tuple(v.shape), v.dtype) for v in vals))
+            if key not in _BARE:
+                operands = [torch.randn(tuple(v.shape), dtype=v.dtype) for v in vals]
+                node.target(*operands)  # warm-up: the library picks its kernel
+                times = []
+                for _ in range(3):
+                    started = time.perf_counter()
+                    node.target(*operands)
+                    times.append(time.perf_counter() - started)
+                _BARE[key] = statistics.median(times) * 1000
+            total += _BARE[key]
+        _FLOORS[id(step)] = total
+    return _FLOORS[id(step)]
 
 
 def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float, float, str]:
@@ -349,7 +403,9 @@ def main() -> None:
         f"{'median ms':>9}"
     )
     mem = "GPU GiB" if device == "cuda" else "RSS GiB"
-    print(f"{head} {'samples/s':>9} {mem:>7} {'vs ref':>7} {'vs eager':>8} {'prod GF':>7} {'GF/s':>5}")
+    print(
+        f"{head} {'samples/s':>9} {mem:>7} {'vs ref':>7} {'vs eager':>8} {'prod GF':>7} {'GF/s':>5} {'prod ms':>7}"
+    )
     for uih in (int(x) for x in args.configs.split(",")):
         batch, peer = PEERS.get(uih, (16, math.nan))
         batch = args.batch_size or batch
@@ -407,7 +463,7 @@ def main() -> None:
                     f"{row} {r['compile_s']:>9.1f} {r.get('compile_all_s', r['compile_s']):>6.1f} "
                     f"{r['min_ms']:>8.1f} {r['median_ms']:>9.1f} "
                     f"{r['samples_s']:>9.1f} {used:>7.2f} {peer / r['median_ms']:>6.2f}x {base / r['median_ms']:>7.2f}x "
-                    f"{gf:>7.1f} {1000 * gf / r['median_ms']:>5.0f}",
+                    f"{gf:>7.1f} {1000 * gf / r['median_ms']:>5.0f} {r.get('product_ms', math.nan):>7.1f}",
                     flush=True,
                 )
 
