@@ -34,7 +34,7 @@ def test_shard_tables_table_wise_snapshot():
             "  # forward",
             "%wait_tensor_default = _c10d_functional.wait_tensor(%all_to_all_single_default)  # forward",
             "  -> %index_add_default = aten.index_add(%zeros_default_1, 0, %wait_tensor_default, "
-            "%wait_tensor_default_3)  # backward",
+            "%div_tensor)  # backward",
             "%all_to_all_single_default_1 = _c10d_functional.all_to_all_single(%user_offsets, [0, 0], [5, 0], '0')"
             "  # forward",
             "%wait_tensor_default_1 = _c10d_functional.wait_tensor(%all_to_all_single_default_1)  # forward",
@@ -43,12 +43,12 @@ def test_shard_tables_table_wise_snapshot():
             "  # forward",
             "%wait_tensor_default_2 = _c10d_functional.wait_tensor(%all_to_all_single_default_2)  # forward",
             "  -> %cat = aten.cat([%wait_tensor_default_2, %embedding_bag_1, %dense], 1)  # forward",
-            # ... and the per-id gradients go to the owner
+            # ... and the per-id gradients go to the owner, averaged over the data group per id (so the
+            # table's gradient stays `zeros.index_add(0, ids, g)`, which sparsify-update makes row-wise)
             "%all_to_all_single_default_3 = _c10d_functional.all_to_all_single(%index_select_2, [0, 0], [8, 0], '0')"
             "  # backward",
             "%wait_tensor_default_3 = _c10d_functional.wait_tensor(%all_to_all_single_default_3)  # backward",
-            "  -> %index_add_default = aten.index_add(%zeros_default_1, 0, %wait_tensor_default, "
-            "%wait_tensor_default_3)  # backward",
+            "  -> %div_tensor = aten.div.Tensor(%wait_tensor_default_3, 2)  # backward",
         ]
     )
     sig = {s.name: s.shape for s in result.step.signature.state}

@@ -32,11 +32,18 @@ VARIED = dict(SMALL, num_candidates=4, seed=1, checkpoint_every=2)
 
 
 def run_rank_modes(
-    rank: int, world: int, port: int, out: str, modes: list[str], table_sharding: str | None = None
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    modes: list[str],
+    table_sharding: str | None = None,
+    table_dtype: str = "fp32",
 ) -> None:
-    """`train --target eager-graph --parallel MODE [--table_sharding S]` (VARIED) for each mode in one
-    process group, each run checkpointing under out/MODE; losses and log lines go to out/modes-rank{rank}.json.
-    A mode ``hybrid:layers`` adds ``--recompute layers``, ``hybrid:pipeline`` ``--pipeline_sparse 2``."""
+    """`train --target eager-graph --parallel MODE [--table_sharding S] [--table_dtype D]` (VARIED) for each
+    mode in one process group, each run checkpointing under out/MODE; losses and log lines go to
+    out/modes-rank{rank}.json. A mode ``hybrid:layers`` adds ``--recompute layers``, ``hybrid:pipeline``
+    ``--pipeline_sparse 2``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -51,6 +58,7 @@ def run_rank_modes(
                 recompute=extra if extra in ("layers", "auto") else "none",
                 pipeline_sparse=2 if extra == "pipeline" else 0,
                 table_sharding=table_sharding,
+                table_dtype=table_dtype,
                 checkpoint_dir=str(Path(out) / mode),
                 **VARIED,  # type: ignore[arg-type]
             )

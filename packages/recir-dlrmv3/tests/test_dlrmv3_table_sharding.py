@@ -110,6 +110,30 @@ def test_dlrmv3_table_sharding_auto_places_by_the_budget():
         plan_step(step, mesh, "hybrid", "row", 1e-6, batch="global")  # every plan is checked
 
 
+@pytest.mark.parametrize("table_dtype", ["fp32", "fp16"])
+def test_dlrmv3_sharded_tables_keep_row_wise_updates(table_dtype):
+    """A rank's program with row-wise sharded tables (recir.distributed.distribute, no process group needed
+    to build it) still has each table's gradient as `zeros.index_add(0, ids, g)`, so
+    recir-embed-sparsify-update (run by both lowerings) updates the touched rows only, not every row of the
+    shard; with --table_dtype fp16 too (stored after distribute, as the GPU path's trainer does)."""
+    import recir.distributed as rd
+    from recir.dlrmv3._trainers import _shard_elements, step_pipeline
+    from recir.embedding import SparsifyUpdate
+    from recir.transforms import Pipeline
+
+    step = _dlrmv3_step()
+    plan = plan_step(step, rd.Mesh(axes={"data": 2}), "hybrid", "row", None, batch="local")
+    program = rd.distribute(step, plan, 1)
+    if table_dtype != "fp32":
+        program = step_pipeline("fp32", table_dtype=table_dtype, shards=_shard_elements(plan, 1)).run(program)
+    rows = Pipeline([SparsifyUpdate()])
+    rows.run(program)
+    (record,) = rows.records
+    tables = [f"param:ec.embeddings.{t}.weight" for t in TABLES]
+    assert not set(tables) & set(record.stats["dense_tables"]), record.stats["dense_tables"]
+    assert set(tables) <= set(record.stats["ids"])
+
+
 def test_dlrmv3_table_sharding_on_the_gpu_path(tmp_path):
     """`--parallel hybrid --table_sharding row` under 2 gloo ranks (the GPU path's per-rank programs,
     interpreted) trains like one eager process: losses, final parameters and optimizer state."""

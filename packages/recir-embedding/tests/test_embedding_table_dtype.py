@@ -17,6 +17,7 @@ from recir.embedding import (
     round_stochastic,
 )
 from recir.embedding._testing import build_step
+from recir.embedding._transforms.sparsify_update import TABLE_ELEMENTS_KEY
 from recir.transforms import OPTIMIZER_KEY, Pipeline, apply_overrides, get_transform
 
 aten = torch.ops.aten
@@ -100,6 +101,36 @@ def test_tables_stored_low_precision_train_like_float32(helpers, dtype, kind):
             torch.testing.assert_close(sparse[name], dense[name], rtol=2e-2, atol=1e-4, msg=name)
     for a, b, c in zip(want_losses, dense_losses, sparse_losses):
         assert abs(a - b) < 1e-2 * abs(a) + 1e-4 and abs(b - c) < 1e-2 * abs(b) + 1e-4
+
+
+def test_a_shard_rounds_with_the_whole_tables_bits(helpers):
+    """A table's shard (a rank's rows or columns after recir.distributed.distribute) rounds each element with
+    the bits that element has in the whole table: ``elements`` gives the shard's first row, first column
+    and the table's width, in the dense form (TableDtype) and the row-wise form (sparse_update)."""
+    from recir.embedding import sparse_update
+    from recir.embedding._rowwise import element_index
+
+    whole = element_index(torch.arange(8), 6)
+    assert torch.equal(element_index(torch.arange(4), 3, (4, 2, 6)), whole[4:8, 2:5])
+    gen = torch.Generator().manual_seed(0)
+    table = (torch.randn(8, 6, generator=gen) * 0.1).half()
+    ids = torch.tensor([5, 7, 5, 6])
+    grads = torch.randn(4, 6, generator=gen)
+    states = {"sum": torch.zeros(8)}
+    lr = torch.tensor(0.1)
+
+    def update(param, sts, rows, element=None):
+        return sparse_update("rowwise_adagrad", {"eps": 1e-10}, param, sts, lr, None, rows, grads, element)
+
+    full, _ = update(table, states, ids)
+    rows_half, _ = update(table[4:].clone(), {"sum": states["sum"][4:].clone()}, ids - 4, (4, 0, 6))
+    assert torch.equal(rows_half, full[4:])
+    local_only, _ = update(table[4:].clone(), {"sum": states["sum"][4:].clone()}, ids - 4)
+    assert not torch.equal(local_only, full[4:])  # without its place the shard draws other bits
+    # the dense form takes the same option and leaves it for recir-embed-sparsify-update
+    model, batches, step = _step(helpers, "rowwise_adagrad")
+    low = Pipeline([TableDtype(dtype="fp16", elements=((TABLES[0], 4, 0, 16),))]).run(step.copy())
+    assert low.meta[TABLE_ELEMENTS_KEY] == {TABLES[0]: (4, 0, 16)}
 
 
 def test_round_stochastic_is_unbiased_and_keeps_updates_below_half_a_unit():

@@ -181,17 +181,14 @@ class TrainOptions:
                 f"in the graph; --embedding_backend {self.embedding_backend} looks them up outside it. Fix: "
                 "--embedding_backend in_graph (or leave it unset), or --table_dtype fp32."
             )
-        if (
-            self.table_dtype != "fp32"
-            and self.target in ("gpu", "eager-graph")
-            and self.parallel not in ("none", "dp")
-        ):
-            # measured: recir-dist-shard-tables refuses the fp32 copy the dense update reads, and FSDP's
-            # shard-params does not type-check with it
+        if self.table_dtype != "fp32" and self.target in ("gpu", "eager-graph") and self.parallel == "fsdp":
+            # measured: FSDP's shard-params gathers each table before its lookups, which
+            # recir-embed-table-dtype cannot store in low precision
             raise config_error(
-                f"--table_dtype {self.table_dtype} with --parallel {self.parallel}: the GPU path shards tables "
-                "(torch.distributed) in fp32 only. Fix: --parallel dp (tables replicated), the TPU path "
-                "(--target tpu --mesh, where GSPMD shards fp16/bf16 tables), or --table_dtype fp32."
+                f"--table_dtype {self.table_dtype} with --parallel fsdp: FSDP gathers each table before its "
+                "lookups, and the GPU path stores only sharded (row-, table-, column-wise) or replicated "
+                "tables in fp16/bf16. Fix: --parallel hybrid or auto (tables sharded, the rest data-parallel), "
+                "--parallel dp, or --table_dtype fp32."
             )
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise config_error(

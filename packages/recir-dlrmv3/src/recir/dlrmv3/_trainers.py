@@ -176,11 +176,41 @@ class CompiledTrainer:
         opt: Any = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         model.train()
         started = time.perf_counter()
-        rewrites = step_pipeline(precision, recompute, mask_padding, table_dtype)
+        # the GPU path's sharded tables (recir-dist-shard-tables) are stored fp16/bf16 on each rank's program,
+        # after distribute: the global step's low-precision form (lookups widened, an fp32 copy for the
+        # dense update) is no sharded lookup
+        shard_then_store = mesh is None and parallel not in ("none", "dp") and table_dtype != "fp32"
+        rewrites = step_pipeline(
+            precision, recompute, mask_padding, "fp32" if shard_then_store else table_dtype
+        )
         if table_dtype != "fp32" and embedding_backend is None:  # the tables are read by gathers in the graph
             embedding_backend = "in_graph"
         self.graph = rewrites.run(capture_train_step(model, opt, loss_fn, example, overrides=overrides()))
-        recomputed = (
+        self.plan: Any = None  # the recir.distributed plan of a distributed run
+        self.checkpoint_plan = None  # the plan state_dict()'s shards follow (None: global tensors)
+        self.dstep: Any = None  # this rank's program (GPU path, --parallel)
+        program: Any = self.graph
+        where = ""
+        if mesh is not None:  # the TPU path: a global-batch plan, GSPMD partitions the step over the mesh
+            self.plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="global")
+            import jax
+
+            where = f", mesh {mesh.axes} over {jax.process_count()} process(es), parallel {parallel} ({self.plan.mode})"
+        elif parallel != "none":  # the GPU path: one process per device, this rank's program
+            rank, world = rd.setup_process_group()
+            mesh = rd.Mesh(axes={DEFAULT_MESH_AXIS: world})
+            self.plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="local")
+            self.checkpoint_plan = self.plan
+            program = self.dstep = rd.distribute(self.graph, self.plan, rank)
+            if shard_then_store:
+                local = step_pipeline(
+                    "fp32", table_dtype=table_dtype, shards=_shard_elements(self.plan, rank)
+                )
+                program = self.dstep = local.run(program)
+                rewrites.records.extend(local.records)
+            backend = torch.distributed.get_backend()
+            where = f", {world} rank(s), parallel {parallel} ({self.plan.mode}), {backend} process group"
+        recomputed = (  # the rewrites' reports, a sharded run's table dtype included
             "".join(
                 f", --recompute {recompute}: {r.stats['regions']} region(s), interpreter peak "
                 f"{r.stats['peak_bytes_before'] / 2**20:.0f} -> {r.stats['peak_bytes_after'] / 2**20:.0f} MiB"
@@ -201,24 +231,6 @@ class CompiledTrainer:
                 if r.name == "recir-embed-mask-padding"
             )
         )
-        self.plan: Any = None  # the recir.distributed plan of a distributed run
-        self.checkpoint_plan = None  # the plan state_dict()'s shards follow (None: global tensors)
-        self.dstep: Any = None  # this rank's program (GPU path, --parallel)
-        program: Any = self.graph
-        where = ""
-        if mesh is not None:  # the TPU path: a global-batch plan, GSPMD partitions the step over the mesh
-            self.plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="global")
-            import jax
-
-            where = f", mesh {mesh.axes} over {jax.process_count()} process(es), parallel {parallel} ({self.plan.mode})"
-        elif parallel != "none":  # the GPU path: one process per device, this rank's program
-            rank, world = rd.setup_process_group()
-            mesh = rd.Mesh(axes={DEFAULT_MESH_AXIS: world})
-            self.plan = plan_step(self.graph, mesh, parallel, table_sharding, hbm_budget_gib, batch="local")
-            self.checkpoint_plan = self.plan
-            program = self.dstep = rd.distribute(self.graph, self.plan, rank)
-            backend = torch.distributed.get_backend()
-            where = f", {world} rank(s), parallel {parallel} ({self.plan.mode}), {backend} process group"
         where += recomputed
         self.plan_lines = describe_plan(self.plan) if self.plan is not None else []
         self.capture_seconds = time.perf_counter() - started
@@ -468,15 +480,35 @@ def _rows(batch: Batch) -> int:
     return int(batch.token_index.shape[0])
 
 
+def _shard_elements(plan: Any, rank: int) -> tuple[tuple[str, int, int, int], ...]:
+    """Where each of ``rank``'s row- or column-wise table shards lies in its table (first row, first column,
+    the table's width), for recir-embed-table-dtype's ``elements``."""
+    out = []
+    for table in plan.tables:
+        scheme = plan.slots[table].get("scheme")
+        rows, dim = plan.local_shape(table, rank)
+        width = int(plan.shapes[table][1])
+        if scheme == "row_wise":
+            out.append((table, rank * int(rows), 0, width))
+        elif scheme == "column_wise":
+            out.append((table, 0, rank * int(dim), width))
+    return tuple(out)
+
+
 def step_pipeline(
-    precision: str, recompute: str = "none", mask_padding: bool = False, table_dtype: str = "fp32"
+    precision: str,
+    recompute: str = "none",
+    mask_padding: bool = False,
+    table_dtype: str = "fp32",
+    shards: tuple[tuple[str, int, int, int], ...] = (),
 ) -> Any:
     """The StepGraph rewrites `--mask_padding`, `--precision`, `--table_dtype` and `--recompute` ask for:
     padded positions of jagged id features zeroed in their unpooled lookups (recir-embed-mask-padding); bf16
     matrix products (fp32 master weights and optimizer state) for bf16; the tables stored fp16/bf16
     (recir-embed-table-dtype); the STU layers' activations recomputed in the
     backward (`layers`), or the cheap values of every module (`auto`). `attention` is the model's own
-    (`DLRMv3.recompute_attention_scores`): no rewrite here."""
+    (`DLRMv3.recompute_attention_scores`): no rewrite here. ``shards``: the tables that are shards of a rank's
+    program (`_shard_elements`), rounded with the whole tables' random bits."""
     from recir.embedding import MaskPadding, TableDtype
     from recir.transforms import MixedPrecision, Pipeline, Recompute
 
@@ -490,7 +522,7 @@ def step_pipeline(
     if precision == "bf16":
         transforms.append(MixedPrecision(compute_dtype="bfloat16"))
     if table_dtype != "fp32":
-        transforms.append(TableDtype(dtype=table_dtype))
+        transforms.append(TableDtype(dtype=table_dtype, elements=shards))
     if recompute == "layers":
         transforms.append(Recompute(policy="regions", modules=("layers.*",)))
     elif recompute == "auto":

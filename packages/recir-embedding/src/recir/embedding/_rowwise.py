@@ -60,11 +60,14 @@ def round_stochastic(x: Tensor, dtype: torch.dtype, salt: Tensor) -> Tensor:
     return torch.where(special, nearest, exact)
 
 
-def element_index(rows: Tensor, dim: int) -> Tensor:
+def element_index(rows: Tensor, dim: int, element: tuple[int, int, int] | None = None) -> Tensor:
     """``[len(rows), dim]`` int64: each element's flat index in a ``[R, dim]`` table, for the rows ``rows``
-    (:func:`round_stochastic`'s salt; the dense form passes every row, the row-wise form the touched ones)."""
-    cols = torch.arange(dim, device=rows.device, dtype=torch.int64)
-    return rows.to(torch.int64).unsqueeze(1) * dim + cols
+    (:func:`round_stochastic`'s salt; the dense form passes every row, the row-wise form the touched ones).
+    ``element``: for a shard of a larger table, ``(first row, first column, the whole table's width)``, so a
+    shard's elements take the indices (and so the random bits) they have in the whole table."""
+    row0, col0, width = element if element is not None else (0, 0, dim)
+    cols = torch.arange(col0, col0 + dim, device=rows.device, dtype=torch.int64)
+    return (rows.to(torch.int64).unsqueeze(1) + row0) * width + cols
 
 
 def low_precision_delta(old: Tensor, new: Tensor, salt: Tensor) -> Tensor:
@@ -127,8 +130,10 @@ def sparse_update(
     step: Tensor | None,
     ids: Tensor,
     grads: Tensor,
+    element: tuple[int, int, int] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(new_param, new_states)`` after a row-wise ``kind`` update of the rows in ``ids`` only.
+    """``(new_param, new_states)`` after a row-wise ``kind`` update of the rows in ``ids`` only
+    (``element``: a low-precision shard's place in its table, :func:`element_index`).
 
     ``states`` maps torch.optim state keys (``sum``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     to tensors whose dim 0 is the table's rows. SGD, Adagrad and RowWiseAdagrad equal the dense update
@@ -155,7 +160,7 @@ def sparse_update(
     # A low-precision row: one scatter of low_precision_delta. (Subtracting the old value, then adding the
     # rounded one, would be exact, but two scatters of one table make XLA copy the table twice per step.)
     if low:
-        step_delta = low_precision_delta(p, new_p, element_index(rows, param.shape[1]))
+        step_delta = low_precision_delta(p, new_p, element_index(rows, param.shape[1], element))
         out_p = param.index_put((rows,), delta(step_delta, torch.zeros_like(step_delta)), accumulate=True)
     else:
         out_p = param.index_put((rows,), delta(new_p, p), accumulate=True)

@@ -9,7 +9,7 @@ gradients travel the same way and each holder accumulates the rows it owns::
     ...                                               ->    %part_k = recir.embedding_bag(%T, %ids_k, %offs_k, ...)
     %gT = index_add(%zeros, 0, %ids, %per_id)               %e = wait(all_to_all_single(cat(%part_*), ...))
                                                             %g_all = wait(all_to_all_single(%per_id, ...))
-                                                            %gT = div(index_add(%zeros_local, 0, %ids_all, %g_all), D)
+                                                            %gT = index_add(%zeros_local, 0, %ids_all, div(%g_all, D))
 
 Table-wise tables travel with uneven splits (everything to the owner); row- and column-wise with even splits.
 """
@@ -257,9 +257,12 @@ class _Rewrite:
                     call(g, aten.unsqueeze.default, mask, 1, phase=phase),
                     phase=phase,
                 )
+            # the data-parallel mean taken per id, before the rows accumulate: the gradient keeps the form
+            # `zeros.index_add(0, ids, g)` that recir-embed-sparsify-update turns into row-wise updates (a
+            # division after the sum left every sharded table a dense O(rows) update on the GPU path)
+            recv = call(g, aten.div.Tensor, recv, self.d, phase=phase)
             zeros = _zeros(g, [self.local_rows, self.local_dim], weight, phase)
-            acc = call(g, aten.index_add.default, zeros, 0, ids_all, recv, phase=phase)
-            local_grad = call(g, aten.div.Tensor, acc, self.d, phase=phase)
+            local_grad = call(g, aten.index_add.default, zeros, 0, ids_all, recv, phase=phase)
             local_grad.meta[SHARDING_KEY] = {**self.sh, "role": "gradient", "table": self.table}
             if GRAD_OF_KEY in grad.meta:
                 local_grad.meta[GRAD_OF_KEY] = grad.meta[GRAD_OF_KEY]

@@ -36,6 +36,9 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 _ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
 _INDEX_PUTS = {aten.index_put.default, aten._unsafe_index_put.default}
 _SAME = {aten.detach.default, aten.clone.default, aten.alias.default}
+#: ``step.meta`` key (recir-embed-table-dtype's ``elements``): ``{table slot: (first row, first column, width)}``
+#: of a low-precision table that is a shard of a larger one, so its stochastic rounding draws the whole table's bits
+TABLE_ELEMENTS_KEY = "recir.table_dtype.elements"
 #: On each per-id gradient term a table's row update consumes (set by recir-embed-sparsify-update): a list
 #: of ``(table slot, ids node name)``. recir-embed-split-host starts from it to find the gradient w.r.t.
 #: each lookup's rows, the value a host-side table update receives from the device.
@@ -190,6 +193,7 @@ def _update_fn(
     terms: list[_Term],
     has_step: bool,
     core_shape: tuple[int, int],
+    element: tuple[int, int, int] | None = None,
 ) -> Any:
     """``(param, *states, lr, [step], *ids, *grads) -> [new_param, *new_states]`` for one table."""
     rows, dim = core_shape
@@ -217,7 +221,7 @@ def _update_fn(
         g = g.to(
             torch.float32 if p2.dtype in LOW_PRECISION_BITS else p2.dtype
         )  # fp16/bf16 tables: fp32 maths
-        new_p, new_st = sparse_update(kind, hp, p2, dict(zip(keys, s2)), lr_v, step_v, ids, g)
+        new_p, new_st = sparse_update(kind, hp, p2, dict(zip(keys, s2)), lr_v, step_v, ids, g, element)
         new = [new_p] + [new_st[key] for key in keys]
         return [t.reshape(sh) if tuple(t.shape) != tuple(sh) else t for t, sh in zip(new, shapes)]
 
@@ -353,7 +357,8 @@ class SparsifyUpdate(Transform):
             step_node = outs[names.index(info.step_slot)] if info.step_slot else None
             args = [placeholders[i] for i in idx] + [lr] + ([step_node] if step_node is not None else [])
             args += [n for t in terms for n in t.nodes()]
-            fn = _update_fn(kind, hp, keys, terms, step_node is not None, core_shape)
+            element = step.meta.get(TABLE_ELEMENTS_KEY, {}).get(slot)
+            fn = _update_fn(kind, hp, keys, terms, step_node is not None, core_shape, element)
             for t in terms:
                 t.grad.meta[ROW_GRAD_KEY] = [*t.grad.meta.get(ROW_GRAD_KEY, []), (slot, t.ids.name)]
             new_nodes = splice(graph, fn, args, before=output, phase="optimizer", provenance=self.name)

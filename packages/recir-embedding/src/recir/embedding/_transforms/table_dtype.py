@@ -39,7 +39,7 @@ from recir.transforms import (
 from torch import Tensor, nn
 
 from .._rowwise import element_index, low_precision_delta
-from .sparsify_update import embedding_tables
+from .sparsify_update import TABLE_ELEMENTS_KEY, embedding_tables
 
 aten = torch.ops.aten
 #: ``--table_dtype`` names -> torch dtypes
@@ -56,6 +56,9 @@ class TableDtypeInitializer:
     """A SlotInitializer for tables stored in low precision: the live model's table, rounded to nearest."""
 
     dtypes: tuple[tuple[str, str], ...]  # (slot name, "fp16" | "bf16")
+    # the step's initializers before the rewrite: a slot that is not the model's whole table (a rank's
+    # shard, after recir.distributed.distribute) is resolved by them, then rounded
+    rest: tuple[Any, ...] = ()
 
     def __call__(self, slot: StateSlot, model: nn.Module, optimizer: Any) -> Tensor | None:
         dtype = dict(self.dtypes).get(slot.name)
@@ -65,8 +68,14 @@ class TableDtypeInitializer:
         try:
             weight = model.get_parameter(path)
         except AttributeError:
-            return None
-        return weight.detach().to(TABLE_DTYPES[dtype])  # no float32 copy of the table on the way
+            weight = None
+        if weight is not None and tuple(weight.shape) == tuple(slot.shape):
+            return weight.detach().to(TABLE_DTYPES[dtype])  # no float32 copy of the table on the way
+        for init in self.rest:
+            value = init(slot, model, optimizer)
+            if value is not None:
+                return value.to(TABLE_DTYPES[dtype])  # type: ignore[no-any-return]
+        return None
 
 
 @register_transform
@@ -99,6 +108,10 @@ class TableDtype(Transform):
     class Options:
         dtype: Literal["fp16", "bf16"] = "fp16"
         tables: tuple[str, ...] | None = None  # table slots to store (default: every table)
+        # tables that are shards of larger ones (a rank's program after recir.distributed.distribute):
+        # (slot, first row, first column, the whole table's width), so the stochastic rounding of each element
+        # draws the bits it draws in the whole table (a one-process run's)
+        elements: tuple[tuple[str, int, int, int], ...] = ()
 
         def __post_init__(self) -> None:
             if self.dtype not in TABLE_DTYPES:
@@ -132,7 +145,8 @@ class TableDtype(Transform):
         done: list[str] = []
         for table in wanted:
             index = names.index(table)
-            reason = self._store(step, placeholders[index], index, dtype, table in optimized)
+            element = next((tuple(e[1:]) for e in self.options.elements if e[0] == table), None)
+            reason = self._store(step, placeholders[index], index, dtype, table in optimized, element)  # type: ignore[arg-type]
             if reason:
                 skipped[table] = reason
             else:
@@ -141,8 +155,11 @@ class TableDtype(Transform):
             state = [dataclasses.replace(s, dtype=dtype) if s.name in done else s for s in sig.state]
             step.signature = dataclasses.replace(sig, state=tuple(state))
             stored = tuple((t, self.options.dtype) for t in done)
-            step.initializers = (TableDtypeInitializer(stored), *step.initializers)
+            step.initializers = (TableDtypeInitializer(stored, tuple(step.initializers)), *step.initializers)
             step.meta[TABLE_DTYPE_KEY] = {**step.meta.get(TABLE_DTYPE_KEY, {}), **dict(stored)}
+            elements = {e[0]: tuple(e[1:]) for e in self.options.elements if e[0] in done}
+            if elements:
+                step.meta[TABLE_ELEMENTS_KEY] = {**step.meta.get(TABLE_ELEMENTS_KEY, {}), **elements}
             step.graph.eliminate_dead_code()
             step.graph.lint()
             step.graph_module.recompile()
@@ -150,7 +167,15 @@ class TableDtype(Transform):
         stats = {"tables": done, "skipped": skipped, "bytes_saved": saved * (4 - dtype.itemsize)}
         return TransformResult(step, bool(done), stats)
 
-    def _store(self, step: StepGraph, ph: fx.Node, index: int, dtype: torch.dtype, has_update: bool) -> str:
+    def _store(
+        self,
+        step: StepGraph,
+        ph: fx.Node,
+        index: int,
+        dtype: torch.dtype,
+        has_update: bool,
+        element: tuple[int, int, int] | None = None,
+    ) -> str:
         """Rewrite one table's reads and its new value; the reason it stays float32, or ""."""
         if not has_update:
             return "no optimizer updates it"
@@ -195,7 +220,7 @@ class TableDtype(Transform):
 
         def rounded_table(new: Tensor, old: Tensor) -> Tensor:  # what the row-wise form's scatter leaves
             every_row = torch.arange(new.shape[0], device=new.device)
-            delta = low_precision_delta(old, new, element_index(every_row, new.shape[1]))
+            delta = low_precision_delta(old, new, element_index(every_row, new.shape[1], element))
             return (old.float() + delta.float()).to(old.dtype)
 
         (rounded,) = splice(
