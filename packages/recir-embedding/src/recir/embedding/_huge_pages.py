@@ -208,8 +208,9 @@ def make_heap_room(nbytes: int, *, min_free: int = 64 << 20) -> bool:
     beside that much resident free memory. Returns whether it trimmed.
 
     This is for processes that keep freed memory (``recir.lower_gpu.retain_host_memory``: no trim, no
-    mmap): there, a large block freed and then split by small allocations cannot take the same block again,
-    and without this the peak resident memory grows by the block's size once more."""
+    mmap): there, a large block freed below a small allocation that stays live (or split by small ones) is
+    not taken again by the next block of its size (see :meth:`HeapFree.fits`), and without this the peak
+    resident memory grows by the block's size once more."""
     heap = host_heap_free()
     if heap is None or heap.fits(nbytes) or heap.free - heap.top < min_free:
         return False
