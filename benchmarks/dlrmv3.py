@@ -198,54 +198,64 @@ def _products(trainer: Any, batch: Any) -> tuple[Any, list[Any]]:
     return step, [n for n in step.graph.nodes if n.target in products]
 
 
-def _product_flops(trainer: Any, batch: Any) -> float:
-    """Floating-point operations of the matrix products of the captured step that runs ``batch``; nan for
-    eager."""
-    import torch
-
+def _per_step(memo: dict[int, float], trainer: Any, batch: Any, measure: Any) -> float:
+    """``measure(products)`` of the captured step that runs ``batch``, once per step (``memo``); nan for eager."""
     step, nodes = _products(trainer, batch)
     if step is None:
         return math.nan
-    if id(step) not in _PRODUCTS:
-        total = 0.0
-        for node in nodes:
-            a, b = (x.meta["val"] for x in node.args[-2:]) if node.target is torch.ops.aten.addmm.default else (
-                x.meta["val"] for x in node.args[:2])  # fmt: skip
-            total += 2 * a.numel() * b.shape[-1]
-        _PRODUCTS[id(step)] = total
-    return _PRODUCTS[id(step)]
+    if id(step) not in memo:
+        memo[id(step)] = measure(nodes)
+    return memo[id(step)]
+
+
+def _flops(nodes: list[Any]) -> float:
+    import torch
+
+    total = 0.0
+    for node in nodes:
+        a, b = (x.meta["val"] for x in node.args[-2:]) if node.target is torch.ops.aten.addmm.default else (
+            x.meta["val"] for x in node.args[:2])  # fmt: skip
+        total += 2 * a.numel() * b.shape[-1]
+    return total
 
 
 _BARE: dict[tuple[Any, ...], float] = {}
+
+
+def _bare_ms(nodes: list[Any]) -> float:
+    """Milliseconds ``nodes`` (matrix products) take as bare ATen calls on this CPU: each distinct op, shape
+    and dtype timed here on fresh contiguous operands with this process's threads (the median of 3)."""
+    import torch
+
+    total = 0.0
+    for node in nodes:
+        vals = [a.meta["val"] for a in node.args if hasattr(a, "meta")]
+        key = (node.target, *((tuple(v.shape), v.dtype) for v in vals))
+        if key not in _BARE:
+            operands = [torch.randn(tuple(v.shape), dtype=v.dtype) for v in vals]
+            node.target(*operands)  # warm-up: the library picks its kernel
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                node.target(*operands)
+                times.append(time.perf_counter() - started)
+            _BARE[key] = statistics.median(times) * 1000
+        total += _BARE[key]
+    return total
+
+
 _FLOORS: dict[int, float] = {}
 
 
-def _product_ms(trainer: Any, batch: Any) -> float:
-    """Milliseconds the matrix products of the step that runs ``batch`` take as bare ATen calls on this CPU
-    (each distinct op, shape and dtype timed here on fresh contiguous operands with this process's threads,
-    the median of 3), summed: what its products alone cost at the kernels' own speed; nan for eager."""
-    import torch
+def _product_flops(trainer: Any, batch: Any) -> float:
+    """Floating-point operations of the matrix products of the captured step that runs ``batch``."""
+    return _per_step(_PRODUCTS, trainer, batch, _flops)
 
-    step, nodes = _products(trainer, batch)
-    if step is None:
-        return math.nan
-    if id(step) not in _FLOORS:
-        total = 0.0
-        for node in nodes:
-            vals = [a.meta["val"] for a in node.args if hasattr(a, "meta")]
-            key = (node.target, *((tuple(v.shape), v.dtype) for v in vals))
-            if key not in _BARE:
-                operands = [torch.randn(tuple(v.shape), dtype=v.dtype) for v in vals]
-                node.target(*operands)  # warm-up: the library picks its kernel
-                times = []
-                for _ in range(3):
-                    started = time.perf_counter()
-                    node.target(*operands)
-                    times.append(time.perf_counter() - started)
-                _BARE[key] = statistics.median(times) * 1000
-            total += _BARE[key]
-        _FLOORS[id(step)] = total
-    return _FLOORS[id(step)]
+
+def _product_ms(trainer: Any, batch: Any) -> float:
+    """What the matrix products of the step that runs ``batch`` cost as bare ATen calls (:func:`_bare_ms`),
+    summed: its products alone at the kernels' own speed."""
+    return _per_step(_FLOORS, trainer, batch, _bare_ms)
 
 
 def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float, float, str]:
