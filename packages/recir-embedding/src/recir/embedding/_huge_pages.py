@@ -157,8 +157,9 @@ class HeapFree:
     def fits(self, nbytes: int) -> bool:
         """Whether one allocation of ``nbytes`` is served without growing the heap. An aligned allocation
         (``posix_memalign``, what XLA's CPU runtime makes) takes a chunk of ``nbytes`` plus its alignment and
-        a header, so the chunk a freed block of the same size leaves does not hold it: measured, a 200 MiB
-        block aligned to 64 bytes, freed and asked for again, came from the heap's top. Hence the slack."""
+        a header, so the chunk a freed block of the same size leaves need not hold it (it does only where a
+        neighbour's free bytes merged into it): measured, a 200 MiB block aligned to 64 bytes, freed and asked
+        for again, came from the heap's top. Hence the slack."""
         return max(self.largest, self.top) >= nbytes + _ALIGNED_SLACK
 
 
