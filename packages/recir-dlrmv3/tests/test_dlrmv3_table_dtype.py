@@ -64,11 +64,12 @@ def test_dlrmv3_table_dtype_flags(capsys):
     with pytest.raises(ConfigError, match="--embedding_backend torchrec.*Fix: --embedding_backend in_graph"):
         TrainOptions(target="gpu", table_dtype="fp16", embedding_backend="torchrec").check()
     with pytest.raises(
-        ConfigError, match="--parallel fsdp: FSDP gathers each table .*Fix: --parallel hybrid"
+        ConfigError, match="--parallel fsdp and no --table_sharding: .*Fix: --table_sharding row"
     ):
         TrainOptions(target="gpu", table_dtype="fp16", parallel="fsdp").check()
     for parallel in ("dp", "hybrid", "auto"):  # tables replicated, or sharded by recir-dist-shard-tables
         TrainOptions(target="gpu", table_dtype="fp16", parallel=parallel).check()
+    TrainOptions(target="gpu", table_dtype="fp16", parallel="fsdp", table_sharding="row").check()
     with pytest.raises(
         ConfigError, match="--precision bf16, --table_dtype fp16 change the step's maths.*Fix"
     ):

@@ -181,14 +181,18 @@ class TrainOptions:
                 f"in the graph; --embedding_backend {self.embedding_backend} looks them up outside it. Fix: "
                 "--embedding_backend in_graph (or leave it unset), or --table_dtype fp32."
             )
-        if self.table_dtype != "fp32" and self.target in ("gpu", "eager-graph") and self.parallel == "fsdp":
-            # measured: FSDP's shard-params gathers each table before its lookups, which
-            # recir-embed-table-dtype cannot store in low precision
+        if (
+            self.table_dtype != "fp32"
+            and self.target in ("gpu", "eager-graph")
+            and self.parallel == "fsdp"
+            and self.table_sharding is None
+        ):
+            # measured: the tables were FSDP's, gathered before their lookups, and trained fp32 (only logged)
             raise config_error(
-                f"--table_dtype {self.table_dtype} with --parallel fsdp: FSDP gathers each table before its "
-                "lookups, and the GPU path stores only sharded (row-, table-, column-wise) or replicated "
-                "tables in fp16/bf16. Fix: --parallel hybrid or auto (tables sharded, the rest data-parallel), "
-                "--parallel dp, or --table_dtype fp32."
+                f"--table_dtype {self.table_dtype} with --parallel fsdp and no --table_sharding: FSDP shards the "
+                "tables too and gathers each before its lookups, and the GPU path stores only sharded (row-, "
+                "table-, column-wise) or replicated tables in fp16/bf16. Fix: --table_sharding row, table or "
+                "column (tables sharded, dense state FSDP), --parallel hybrid, auto or dp, or --table_dtype fp32."
             )
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise config_error(
