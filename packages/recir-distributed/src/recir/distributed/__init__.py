@@ -40,6 +40,7 @@ from ._modes import table_wise as table_wise
 from ._plan import ShardingPlan as ShardingPlan
 from ._plan import as_plan as as_plan
 from ._plan import local_shape as local_shape
+from ._plan import shard_range as shard_range
 from ._planner import annotate as annotate
 from ._planner import check_budget as check_budget
 from ._planner import plan as plan
@@ -84,6 +85,7 @@ __all__ = [
     "DISTRIBUTED_META",
     "shard_state",
     "shard_tensor",
+    "shard_range",
     "gather_state",
     "reshard",
     "split_batch",

@@ -481,17 +481,13 @@ def _rows(batch: Batch) -> int:
 
 
 def _shard_elements(plan: Any, rank: int) -> tuple[tuple[str, int, int, int], ...]:
-    """Where each of ``rank``'s row- or column-wise table shards lies in its table (first row, first column,
-    the table's width), for recir-embed-table-dtype's ``elements``."""
+    """Where each of ``rank``'s table shards lies in its table (first row, first column, the table's width;
+    recir.distributed.shard_range's slice), for recir-embed-table-dtype's ``elements``."""
     out = []
     for table in plan.tables:
-        scheme = plan.slots[table].get("scheme")
-        rows, dim = plan.local_shape(table, rank)
-        width = int(plan.shapes[table][1])
-        if scheme == "row_wise":
-            out.append((table, rank * int(rows), 0, width))
-        elif scheme == "column_wise":
-            out.append((table, 0, rank * int(dim), width))
+        shape = plan.shapes[table]
+        dim, start, _ = rd.shard_range(shape, plan.sharding(table), rank)
+        out.append((table, start if dim == 0 else 0, start if dim == 1 else 0, int(shape[1])))
     return tuple(out)
 
 

@@ -173,9 +173,10 @@ class _MallInfo2(ctypes.Structure):
         "keepcost")]  # fmt: skip
 
 
-def host_heap_free() -> HeapFree | None:
-    """The C heap's free chunks now (:class:`HeapFree`); None where there is no glibc 2.33+ (``mallinfo2``).
-    Costs a walk of the arenas' free lists (well under a millisecond for a training process's heap)."""
+@functools.cache
+def _malloc_stats() -> ctypes.CDLL | None:
+    """The C library with ``mallinfo2``, ``malloc_info`` and what reading it needs typed once; None without
+    glibc 2.33+."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallinfo2") or not hasattr(libc, "malloc_info"):
         return None
@@ -185,6 +186,15 @@ def host_heap_free() -> HeapFree | None:
     libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
     libc.fclose.argtypes = [ctypes.c_void_p]
     libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def host_heap_free() -> HeapFree | None:
+    """The C heap's free chunks now (:class:`HeapFree`); None where there is no glibc 2.33+ (``mallinfo2``).
+    Costs a walk of the arenas' free lists (well under a millisecond for a training process's heap)."""
+    libc = _malloc_stats()
+    if libc is None:
+        return None
     buf, size = ctypes.c_void_p(), ctypes.c_size_t()
     stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
     if not stream:
