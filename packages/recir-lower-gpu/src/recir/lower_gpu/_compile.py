@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ._cache import inductor_cache_dir, recir_cache_dir, stable_cache_keys, using_cache_dir
 from ._cpp_codegen import cpp_codegen
 from ._cudagraph import CudaGraphStep
+from ._direct import can_compile_direct, compile_direct
 from ._fused_tbe import FusedTBECompiledStep
 from ._isa import memoized_cpu_isa_probe, probe_in_background
 from ._kernel_waits import kernels_built_at_end
@@ -67,7 +69,15 @@ def _fake_inputs(step: StepGraph, device: torch.device, fake_mode: FakeTensorMod
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
 
 
-def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: FakeTensorMode, patches: dict):
+def _compile_fx(
+    gm: fx.GraphModule,
+    example: list[torch.Tensor],
+    fake_mode: FakeTensorMode,
+    patches: dict,
+    direct: Path | bool,
+):
+    """Inductor on ``gm``: through AOTAutograd (``compile_fx``) when ``direct`` is False, else without it
+    (recir.lower_gpu._direct; ``direct`` is the cache folder, or True for no cache)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
@@ -79,11 +89,19 @@ def _compile_fx(gm: fx.GraphModule, example: list[torch.Tensor], fake_mode: Fake
         functorch_config.patch(enable_autograd_cache=bool(patches.get("fx_graph_cache", True))),
         torch._guards.tracing(context),
     ):
+        if direct is not False and can_compile_direct(gm):
+            return compile_direct(gm, example, fake_mode, direct if isinstance(direct, Path) else None)
         return compile_fx(gm, example)
 
 
 def _compile_regions(
-    split: RegionSplit, ir: StepGraph, dev: torch.device, fake_mode: FakeTensorMode, patches: dict
+    split: RegionSplit,
+    ir: StepGraph,
+    dev: torch.device,
+    fake_mode: FakeTensorMode,
+    patches: dict,
+    direct: Path | bool,
+    batch: bool,
 ) -> RegionsFn:
     """``GPUOptions(regions="repeated")``: the step in pieces (``split``, planned by the pipeline's
     ``recir-gpu-repeated-regions``), each distinct piece compiled once."""
@@ -93,10 +111,10 @@ def _compile_regions(
             return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=dev)
 
     def compile_piece(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-        return _compile_fx(gm, inputs, fake_mode, patches)
+        return _compile_fx(gm, inputs, fake_mode, patches, direct)
 
     # each piece's C++ kernels build while the next pieces generate their code
-    with kernels_built_at_end():
+    with kernels_built_at_end(batch):
         fn, stats = compile_regions(split, _fake_inputs(ir, dev, fake_mode), dev, compile_piece, fake)
     log.info(
         "recir.lower_gpu: regions='repeated': %d pieces, %d distinct compiled",
@@ -227,11 +245,17 @@ def _inductor(
         # reordering needs a process group: only where the graph has collectives)
         pipelined = any(slot.kind == "carry" for slot in ir.signature.state) and bool(collectives(gm))
         patches = options.inductor_patches(dev.type, pipelined=pipelined)
+        direct: Path | bool = (
+            False if options.use_aot_autograd(dev.type) else (cache_dir if options.cache else True)
+        )
         try:
             if regions is not None and regions.split is not None and options.in_place:
-                fn: Any = _compile_regions(regions.split, ir, dev, fake_mode, patches)
+                fn: Any = _compile_regions(
+                    regions.split, ir, dev, fake_mode, patches, direct, options.batch_cpu_kernels
+                )
             else:
-                fn = _compile_fx(gm, _fake_inputs(ir, dev, fake_mode), fake_mode, patches)
+                with kernels_built_at_end(options.batch_cpu_kernels):  # C++ kernels: one build per module
+                    fn = _compile_fx(gm, _fake_inputs(ir, dev, fake_mode), fake_mode, patches, direct)
         except LoweringError:
             raise
         except Exception as exc:

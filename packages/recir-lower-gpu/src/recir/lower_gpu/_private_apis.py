@@ -13,6 +13,15 @@ CHECKED = {"torch": ("2.9.1", "2.10.0", "2.11.0", "2.12.1")}  # oldest, the lock
 
 PRIVATE_APIS = (
     "torch._inductor.compile_fx:compile_fx",  # compile a StepGraph's GraphModule without Dynamo
+    "torch._inductor.compile_fx:compile_fx_inner",  # ... and without AOTAutograd (aot_autograd=False)
+    "torch._inductor.compile_fx:_recursive_joint_graph_passes",
+    "torch._inductor.virtualized:V",
+    "torch._dispatch.python:enable_python_dispatcher",
+    "torch._inductor.config:save_config_portable",  # the decomposed graphs' cache key
+    "torch._inductor.async_compile:AsyncCompile.cpp_pybinding",  # one C++ build per compiled module
+    "torch._inductor.async_compile:get_compile_threads",
+    "torch._inductor.codecache:CppPythonBindingsCodeCache.load_async",
+    "torch._inductor.codecache:LambdaFuture",
     "torch._inductor.config",  # per-compile patches, cpp.threads
     "torch._inductor.config:_pre_fusion_custom_pass",  # free_early
     "torch._inductor.async_compile:AsyncCompile.wait",  # regions='repeated': kernels built at the end
