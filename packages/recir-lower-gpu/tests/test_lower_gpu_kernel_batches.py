@@ -13,6 +13,7 @@ import torch
 from recir.lower_gpu._cache import using_cache_dir
 from recir.lower_gpu._kernel_batches import KernelBatch, batched_source
 from test_lower_gpu_regions import _batch, _step
+from torch._inductor.codecache import CppPythonBindingsCodeCache
 
 
 def _kernel(body: str, helper: str = "") -> str:
@@ -82,6 +83,9 @@ def test_a_compile_builds_one_library_per_module_and_trains_as_kernel_by_kernel(
     runs = {}
     for batch in (True, False):
         folder = tmp_path / str(batch)
+        # Inductor keeps each library it loaded in memory, keyed by source: earlier tests' compiles of this
+        # model would otherwise be reused without writing anything into this folder
+        CppPythonBindingsCodeCache.cache_clear()
         model, opt, step = _step()
         options = lg.GPUOptions(regions=regions, batch_cpu_kernels=batch, cache_dir=str(folder))
         compiled = lg.compile(step, device="cpu", options=options)
