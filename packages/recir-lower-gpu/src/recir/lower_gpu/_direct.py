@@ -23,9 +23,7 @@ import functools
 import hashlib
 import importlib
 import logging
-import os
 import pickle
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from ._files import write_atomic
 
 log = logging.getLogger("recir.lower_gpu")
 stats: Counter[str] = Counter()  # decomposed graphs: "traced", "loaded" (from the cache folder), "stored"
@@ -187,12 +187,7 @@ def _store(path: Path | None, gm: fx.GraphModule) -> None:
         log.info("recir.lower_gpu: a decomposed graph not kept (it holds values that are not plain data)")
         return
     try:
-        data = pickle.dumps(rows)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # atomic: a reader sees the old entry or the whole new one
+        write_atomic(path, pickle.dumps(rows))  # a reader sees the old entry or the whole new one
         stats["stored"] += 1
     except Exception as exc:  # the cache is an optimisation: a failed write costs the next compile a trace
         log.info("recir.lower_gpu: could not keep the decomposed graph in %s (%s)", path, exc)

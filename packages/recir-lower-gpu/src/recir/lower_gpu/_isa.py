@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ._files import write_atomic
+
 log = logging.getLogger("recir.lower_gpu")
 _LOCK = threading.Lock()  # installs and removes the hook
 _MEMO_LOCK = threading.Lock()  # the memo file's read-modify-write, and the in-flight table
@@ -74,10 +76,7 @@ def _write(path: Path, key: str, ok: bool) -> None:
         memo = _read(path)
         memo[key] = ok
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(memo))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(memo).encode())
         except OSError as exc:  # a read-only cache only costs the probe next time
             log.debug("recir.lower_gpu: could not save the CPU ISA probe memo: %s", exc)
 
