@@ -75,7 +75,11 @@ out["room_150"] = make_heap_room(150 * MiB)  # the freed block holds it: nothing
 out["kept"] = before - rss()
 out["room_200"] = make_heap_room(200 * MiB)  # it does not: its pages go back first
 out["released"] = before - rss()
+out["largest_after"] = host_heap_free().largest  # the freed block's chunk is held out of play now
 out["room_200_small_free"] = make_heap_room(200 * MiB, min_free=2**40)  # too little free to bother
+# a smaller block does not take the held chunk (and fault its pages in again): it comes from elsewhere
+smaller = aligned(150 * MiB)
+out["smaller_in_old_chunk"] = big <= smaller < big + 200 * MiB
 print(json.dumps(out))
 """
 
@@ -89,7 +93,9 @@ def test_make_heap_room_trims_free_chunks_too_small_for_the_next_block():
     stays resident. A block of the same size does not count as fitting the chunk it left (an aligned
     allocation needs its alignment and a header more; whether the chunk has them depends on what its
     neighbours did, so fits() asks for slack): before it make_heap_room hands the free chunks' pages back;
-    before a 150 MiB block, which fits, it leaves them. In a child process: mallopt is process-wide."""
+    before a 150 MiB block, which fits, it leaves them. After the trim the freed block's chunk is held out of
+    play, so a smaller block later does not fault its pages in again. In a child process: mallopt is
+    process-wide."""
     run = subprocess.run(
         [sys.executable, "-c", _HEAP_ROOM_CHILD], capture_output=True, text=True, timeout=120
     )
@@ -100,4 +106,27 @@ def test_make_heap_room_trims_free_chunks_too_small_for_the_next_block():
     assert out["fits_150"] and not out["fits_200"]
     assert out["room_150"] is False and abs(out["kept"]) < 16 * mib
     assert out["room_200"] is True and out["released"] > 180 * mib
+    assert out["largest_after"] < 100 * mib and not out["smaller_in_old_chunk"]
     assert out["room_200_small_free"] is False
+
+
+def test_make_heap_room_leaves_a_heap_whose_top_nearly_holds_the_block(monkeypatch):
+    """One block size repeating: each call's block goes back to the heap's top, so the next one grows the heap
+    by the top's shortfall only (the aligned allocation's slack). Trimming the free chunks elsewhere then would
+    hand back pages that later calls fault in again (a full-size DLRMv3 step went 400 -> 507 ms when it did),
+    so make_heap_room leaves them; a top far too small for the block still gets them trimmed first."""
+    import recir.embedding._huge_pages as hp
+
+    mib = 1 << 20
+    trims: list[int] = []
+    monkeypatch.setattr(hp, "trim_host_heap", lambda: trims.append(1) or True)
+    near = hp.HeapFree(largest=200 * mib, top=200 * mib + (64 << 10), free=600 * mib)
+    monkeypatch.setattr(hp, "host_heap_free", lambda: near)
+    assert not near.fits(200 * mib) and 0 < near.growth(200 * mib) < 2 * mib
+    assert hp.make_heap_room(200 * mib) is False and not trims
+    far = hp.HeapFree(largest=200 * mib, top=72 * mib, free=600 * mib)
+    monkeypatch.setattr(hp, "host_heap_free", lambda: far)
+    assert far.growth(200 * mib) == 129 * mib
+    assert hp.make_heap_room(200 * mib) is True and trims == [1]
+    fits = hp.HeapFree(largest=300 * mib, top=0, free=600 * mib)
+    assert fits.fits(200 * mib) and fits.growth(200 * mib) == 0

@@ -162,6 +162,11 @@ class HeapFree:
         for again, came from the heap's top. Hence the slack."""
         return max(self.largest, self.top) >= nbytes + _ALIGNED_SLACK
 
+    def growth(self, nbytes: int) -> int:
+        """How far the heap grows for one allocation of ``nbytes`` that no free chunk in the bins holds:
+        the part the top chunk does not cover (0 where :meth:`fits`)."""
+        return 0 if self.fits(nbytes) else nbytes + _ALIGNED_SLACK - self.top
+
 
 _ALIGNED_SLACK = 1 << 20  # alignments up to 1 MiB and glibc's chunk header
 _CHUNK = re.compile(rb'<(?:size|unsorted) from="\d+" to="(\d+)"')
@@ -186,6 +191,8 @@ def _malloc_stats() -> ctypes.CDLL | None:
     libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
     libc.fclose.argtypes = [ctypes.c_void_p]
     libc.free.argtypes = [ctypes.c_void_p]
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
     return libc
 
 
@@ -213,20 +220,60 @@ def host_heap_free() -> HeapFree | None:
 
 
 def make_heap_room(nbytes: int, *, min_free: int = 64 << 20) -> bool:
-    """Before allocating one block of ``nbytes``: when no free chunk of the C heap holds it (so the heap
-    grows by about ``nbytes``) while at least ``min_free`` bytes lie free in chunks too small for it, hand
-    those chunks' pages back to the kernel first (:func:`trim_host_heap`), so the new block does not sit
-    beside that much resident free memory. Returns whether it trimmed.
+    """Before allocating one block of ``nbytes``: when no free chunk of the C heap holds it, so the heap
+    grows by at least ``min_free`` beyond its top, while at least ``min_free`` bytes lie free in chunks too
+    small for it, hand those chunks' pages back to the kernel first (:func:`trim_host_heap`), so the new
+    block does not sit beside that much resident free memory. Returns whether it trimmed.
 
     This is for processes that keep freed memory (``recir.lower_gpu.retain_host_memory``: no trim, no
     mmap): there, a large block freed below a small allocation that stays live (or split by small ones) is
     not taken again by the next block of its size (see :meth:`HeapFree.fits`), and without this the peak
-    resident memory grows by the block's size once more."""
+    resident memory grows by the block's size once more.
+
+    - A block the heap's top nearly holds (the usual case when one block size repeats: each call's block
+      goes back to the top) grows the heap by the difference only, so nothing is trimmed then: trimming
+      would hand back pages the next call faults in again (measured on a full-size DLRMv3 step: 400 ->
+      507 ms).
+    - After a trim, the largest free chunk (the one too small for this block), when it is at least
+      ``min_free``, is held out of play for the process's life: allocated, never written, so its pages stay
+      with the kernel. Left free, a smaller block (several block sizes: one per token budget) would take it
+      and fault its pages in again while the top, where the larger blocks go, stays resident too: full-size
+      DLRMv3 at UIH 64 with four budgets grew 2.16 -> 2.36 GiB that way, after such a trim. Held, every
+      block comes from the top. This costs address space, not memory, and happens about once a process."""
     heap = host_heap_free()
-    if heap is None or heap.fits(nbytes) or heap.free - heap.top < min_free:
+    if heap is None or heap.fits(nbytes) or heap.growth(nbytes) < min_free or heap.free - heap.top < min_free:
         return False
     log.debug(
         "recir.embedding: a %.0f MiB block does not fit the heap's free chunks (largest %.0f MiB, top %.0f MiB, "
         "%.0f MiB free): trimming first", nbytes / 2**20, heap.largest / 2**20, heap.top / 2**20, heap.free / 2**20,
     )  # fmt: skip
-    return trim_host_heap()
+    if not trim_host_heap():
+        return False
+    if heap.largest >= min_free:
+        _hold_free_chunk(heap.largest)
+    return True
+
+
+#: Free chunks :func:`make_heap_room` holds out of play (their addresses), for the process's life.
+_HELD_CHUNKS: list[int] = []
+
+
+def _hold_free_chunk(nbytes: int) -> None:
+    """Allocate the heap's largest free chunk, of ``nbytes``, and keep it without writing it (its pages,
+    handed back by a trim, stay with the kernel). The allocation asks a little less than the chunk, so malloc's
+    best fit takes that chunk; should it come from elsewhere (the chunk was taken meanwhile) it is freed."""
+    libc = _malloc_stats()
+    if libc is None:
+        return
+    ptr = libc.malloc(nbytes - _HOLD_MARGIN)
+    if not ptr:
+        return
+    after = host_heap_free()
+    if after is None or after.largest >= nbytes:  # not that chunk: give it back
+        libc.free(ptr)
+        return
+    _HELD_CHUNKS.append(ptr)
+    log.debug("recir.embedding: holding a %.0f MiB free chunk out of play", nbytes / 2**20)
+
+
+_HOLD_MARGIN = 4 << 10  # under the chunk's size by its header and more: best fit still picks that chunk

@@ -52,8 +52,9 @@ logger = logging.getLogger("recir.lower_tpu")
 #: C heap has a free chunk for it (``recir.embedding.make_heap_room``), else trims the heap's free pages. Under
 #: ``retain_host_memory`` (no trim, no mmap) such a block, freed and then split by small allocations, no
 #: longer fits where it was, and the heap grew by it again: full-size DLRMv3 at UIH 256 with four token
-#: budgets (blocks up to about 1 GiB) peaked at 3.70 instead of 2.87 GiB in 4 of 17 runs (2026-12-07).
-_HEAP_ROOM_MIN_BYTES = 256 << 20
+#: budgets (blocks up to about 1 GiB) peaked at 3.70 instead of 2.87 GiB in 4 of 17 runs, and at UIH 64
+#: (blocks of 190-210 MiB) at 2.36 instead of 2.17 GiB in most runs (2026-12-07).
+_HEAP_ROOM_MIN_BYTES = 64 << 20
 
 
 def _host_temp_bytes(compiled: Any) -> int:
