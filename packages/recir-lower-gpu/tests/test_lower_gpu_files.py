@@ -1,5 +1,6 @@
 """``write_atomic``, behind the decomposed-graph cache and the CPU ISA probe memo: the exact bytes, an
-existing file replaced, and a write that fails midway leaves the old file and no temporary file."""
+existing file replaced, the mode a plain open gives, and a write that fails midway leaves the old file and no
+temporary file."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def test_an_interrupt_also_removes_the_temporary_file(tmp_path, monkeypatch):
         write_atomic(path, b"new")
     monkeypatch.undo()
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_the_file_gets_the_mode_a_plain_open_would(tmp_path, mask):
+    """Not mkstemp's 0600: a cache folder shared between users (RECIR_CACHE_DIR) stays readable to them,
+    as far as the umask allows."""
+    old = os.umask(mask)
+    try:
+        write_atomic(tmp_path / "memo.json", b"{}")
+        (tmp_path / "plain.json").write_bytes(b"{}")
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "memo.json").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain.json").stat().st_mode & 0o777 == 0o666 & ~mask
