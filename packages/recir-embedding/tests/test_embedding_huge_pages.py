@@ -114,12 +114,15 @@ def test_make_heap_room_leaves_a_heap_whose_top_nearly_holds_the_block(monkeypat
     """One block size repeating: each call's block goes back to the heap's top, so the next one grows the heap
     by the top's shortfall only (the aligned allocation's slack). Trimming the free chunks elsewhere then would
     hand back pages that later calls fault in again (a full-size DLRMv3 step went 400 -> 507 ms when it did),
-    so make_heap_room leaves them; a top far too small for the block still gets them trimmed first."""
+    so make_heap_room leaves them; a top far too small for the block still gets them trimmed first, and the
+    largest free chunk held."""
     import recir.embedding._huge_pages as hp
 
     mib = 1 << 20
     trims: list[int] = []
+    held: list[int] = []
     monkeypatch.setattr(hp, "trim_host_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(hp, "_hold_free_chunk", held.append)
     near = hp.HeapFree(largest=200 * mib, top=200 * mib + (64 << 10), free=600 * mib)
     monkeypatch.setattr(hp, "host_heap_free", lambda: near)
     assert not near.fits(200 * mib) and 0 < near.growth(200 * mib) < 2 * mib
@@ -128,5 +131,6 @@ def test_make_heap_room_leaves_a_heap_whose_top_nearly_holds_the_block(monkeypat
     monkeypatch.setattr(hp, "host_heap_free", lambda: far)
     assert far.growth(200 * mib) == 129 * mib
     assert hp.make_heap_room(200 * mib) is True and trims == [1]
+    assert held == [200 * mib]  # the chunk too small for the block, held out of play after the trim
     fits = hp.HeapFree(largest=300 * mib, top=0, free=600 * mib)
     assert fits.fits(200 * mib) and fits.growth(200 * mib) == 0
