@@ -6,10 +6,10 @@ eager measured here. `prod GF`: the matrix products' (mm, addmm, bmm) GFLOP of t
 each timed batch (mean); `GF/s`: those over the median step time, what the step would need from the CPU's
 products alone (compare with a bare `torch.mm` of the same shapes: when it is close, the step is bound by
 its products, and only fewer products make it faster). `prod ms`: those products timed in the same process
-as bare ATen calls (each distinct op, shape and dtype on fresh contiguous operands, this process's threads),
-summed over the step: what the products alone cost at the kernels' own speed, a floor the step approaches
-only as everything else vanishes (the GPU path's own float32 CPU products go through oneDNN, ATen's `mm`
-through MKL, so they can be somewhat faster).
+as bare calls (each distinct op, shape and dtype on fresh contiguous operands, this process's threads; ATen's
+kernel and, for float32 `mm`/`addmm`, oneDNN's GEMM, the GPU path's own, whichever is faster; shared with
+benchmarks/inference.py in benchmarks/_products.py), summed over the step: what the products alone cost at
+the kernels' own speed, a floor the step approaches only as everything else vanishes.
 
 Not a test. Each (configuration, target, precision) runs in its own process, so its peak RSS is its
 own. The compiled paths pack each batch's real tokens (`--token_budget`, default auto: the per-batch mean
@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from _products import bare_ms, product_flops, product_nodes  # benchmarks/_products.py
 
 # UIH length -> (batch, the reference loop's ms/step with 2 threads, like for like, from docs/dlrmv3-reference.md).
 # The reference's max_seq_len counts the 2 contextual tokens and the 10 candidates: UIH 64 == its 76.
@@ -183,8 +185,6 @@ _PRODUCTS: dict[int, float] = {}
 def _products(trainer: Any, batch: Any) -> tuple[Any, list[Any]]:
     """The captured step that runs ``batch`` (its token budget's, with --token_buckets) and its matrix
     products (``mm``, ``addmm``, ``bmm`` nodes, before lowering); (None, []) for eager."""
-    import torch
-
     bucketed = getattr(trainer, "by_rows", None)
     if bucketed is not None:
         from recir.dlrmv3._trainers import _rows
@@ -193,9 +193,7 @@ def _products(trainer: Any, batch: Any) -> tuple[Any, list[Any]]:
     step = getattr(trainer, "graph", None)
     if step is None:
         return None, []
-    aten = torch.ops.aten
-    products = (aten.mm.default, aten.addmm.default, aten.bmm.default)
-    return step, [n for n in step.graph.nodes if n.target in products]
+    return step, product_nodes(step.graph)
 
 
 def _per_step(memo: dict[int, float], trainer: Any, batch: Any, measure: Any) -> float:
@@ -208,54 +206,18 @@ def _per_step(memo: dict[int, float], trainer: Any, batch: Any, measure: Any) ->
     return memo[id(step)]
 
 
-def _flops(nodes: list[Any]) -> float:
-    import torch
-
-    total = 0.0
-    for node in nodes:
-        a, b = (x.meta["val"] for x in node.args[-2:]) if node.target is torch.ops.aten.addmm.default else (
-            x.meta["val"] for x in node.args[:2])  # fmt: skip
-        total += 2 * a.numel() * b.shape[-1]
-    return total
-
-
-_BARE: dict[tuple[Any, ...], float] = {}
-
-
-def _bare_ms(nodes: list[Any]) -> float:
-    """Milliseconds ``nodes`` (matrix products) take as bare ATen calls on this CPU: each distinct op, shape
-    and dtype timed here on fresh contiguous operands with this process's threads (the median of 3)."""
-    import torch
-
-    total = 0.0
-    for node in nodes:
-        vals = [a.meta["val"] for a in node.args if hasattr(a, "meta")]
-        key = (node.target, *((tuple(v.shape), v.dtype) for v in vals))
-        if key not in _BARE:
-            operands = [torch.randn(tuple(v.shape), dtype=v.dtype) for v in vals]
-            node.target(*operands)  # warm-up: the library picks its kernel
-            times = []
-            for _ in range(3):
-                started = time.perf_counter()
-                node.target(*operands)
-                times.append(time.perf_counter() - started)
-            _BARE[key] = statistics.median(times) * 1000
-        total += _BARE[key]
-    return total
-
-
 _FLOORS: dict[int, float] = {}
 
 
 def _product_flops(trainer: Any, batch: Any) -> float:
     """Floating-point operations of the matrix products of the captured step that runs ``batch``."""
-    return _per_step(_PRODUCTS, trainer, batch, _flops)
+    return _per_step(_PRODUCTS, trainer, batch, product_flops)
 
 
 def _product_ms(trainer: Any, batch: Any) -> float:
-    """What the matrix products of the step that runs ``batch`` cost as bare ATen calls (:func:`_bare_ms`),
+    """What the matrix products of the step that runs ``batch`` cost as bare calls (``_products.bare_ms``),
     summed: its products alone at the kernels' own speed."""
-    return _per_step(_FLOORS, trainer, batch, _bare_ms)
+    return _per_step(_FLOORS, trainer, batch, bare_ms)
 
 
 def _reference_ms(args: argparse.Namespace, uih: int, batch: int) -> tuple[float, float, str]:

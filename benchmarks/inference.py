@@ -10,7 +10,13 @@ user's first request (history encoded, then candidates scored) and a repeat requ
 reused: candidates only). Each artifact's logits are checked against eager before it is timed. The
 parameters are baked into every artifact (as constants). Model weights are the seeded initialisation:
 speed does not depend on training. `x full`: a cached-history row against the same stack scoring the
-full sequences.
+full sequences. `prod ms`: the matrix products (mm, addmm, bmm) of the artifact's serving graph timed in the
+same process as bare calls (each distinct op, shape and dtype, `--threads` threads; ATen's kernel and, for
+float32 `mm`/`addmm`, oneDNN's GEMM, whichever is faster: benchmarks/_products.py), summed: what the products
+alone cost at the kernels' own speed. `eager/prod`: eager full-sequence ms over it, the most `x
+eager` the artifact could reach on this CPU if everything but its products took no time: a goal above it
+needs fewer products or a faster CPU, not a better compiler (approximately: XLA:CPU has its own kernels, and
+a product fused with its neighbours can beat the bare call by the memory traffic it saves).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _products import bare_ms, product_nodes  # benchmarks/_products.py
 
 
 def _calls_per_round(fn: Callable[[], Any], min_seconds: float) -> int:
@@ -94,11 +102,17 @@ def _time_cached(
     return first, repeat, got
 
 
+def _floor_ms(*graphs: Any) -> float:
+    """What the matrix products of ``graphs`` (StepGraphs) cost as bare calls here, summed."""
+    return sum(bare_ms(product_nodes(g.graph)) for g in graphs)
+
+
 def _bench_batch(
     args: argparse.Namespace, B: int, work: Path
-) -> list[tuple[str, tuple[float, float], float]]:
-    """[(row name, (ms per batch, x eager), max |logit delta| against eager)] at batch size B; x eager: the
-    median of each round's ratio against eager full-sequence scoring timed just before it."""
+) -> list[tuple[str, tuple[float, float], float, float]]:
+    """[(row name, (ms per batch, x eager), max |logit delta| against eager, prod ms)] at batch size B; x
+    eager: the median of each round's ratio against eager full-sequence scoring timed just before it; prod
+    ms: the artifact's graph's matrix products as bare calls (nan for eager)."""
     import jax
     import numpy as np
     import torch
@@ -109,7 +123,7 @@ def _bench_batch(
     from recir.dlrmv3._export import serving_pipeline
     from recir.dlrmv3._model import loss_fn
     from recir.dlrmv3._serving import CandidateScorer, HistoryEncoder, serving_max_len, split_batch
-    from recir.dlrmv3._serving_export import export_cached_history
+    from recir.dlrmv3._serving_export import cached_history_graphs, export_cached_history
     from recir.dlrmv3._train import build
     from recir.embedding import overrides
     from recir.lower_gpu import export as gpu_export
@@ -134,7 +148,8 @@ def _bench_batch(
     batch.max_seq_len = history.max_seq_len  # the serving normaliser on every path
     real = torch.arange(args.candidates)[None, :] < batch.num_candidates[:, None]
     flat = pytree.tree_leaves(batch)
-    rows: list[tuple[str, tuple[float, float], float]] = []
+    rows: list[tuple[str, tuple[float, float], float, float]] = []
+    nan = float("nan")
 
     def eager() -> Any:  # the reference every row is timed against, in the same rounds
         with torch.no_grad():
@@ -157,11 +172,12 @@ def _bench_batch(
     model.eval()
     with torch.no_grad():
         expected = model(batch)
-        rows.append(("eager eval(), full sequence", _timed(eager, args.rounds, args.min_seconds), 0.0))
+        rows.append(("eager eval(), full sequence", _timed(eager, args.rounds, args.min_seconds), 0.0, nan))
     reference = (eager, _calls_per_round(eager, args.min_seconds))  # sized once for every row
     time_it = lambda fn: _timed(fn, args.rounds, args.min_seconds, ref=reference)  # noqa: E731
     for tag, graph in graphs:
         tensors = graph.init_state(model, optimizers)
+        floor = _floor_ms(graph)
         stem = f"full.{B}{tag.replace(' ', '.')}"
         if "gpu" in args.paths:
             path = work / f"{stem}.pt2"
@@ -169,7 +185,7 @@ def _bench_batch(
             package = torch._inductor.aoti_load_package(str(path))
             with torch.no_grad():
                 ms = time_it(lambda: package(*flat))  # noqa: B023 (called before the next iteration)
-                rows.append((f"GPU path .pt2{tag}, full sequence", ms, delta(package(*flat)[-1])))
+                rows.append((f"GPU path .pt2{tag}, full sequence", ms, delta(package(*flat)[-1]), floor))
         if "tpu" in args.paths:
             path = work / f"{stem}.jax"
             manifest = tpu_compile(graph).export(path, baked_state=tensors)
@@ -180,7 +196,9 @@ def _bench_batch(
                     for t, b in zip(flat, manifest["batch"])
                 ]
                 ms = time_it(lambda: jax.block_until_ready(exp.call(jbatch)))  # noqa: B023
-                rows.append((f"TPU path jax.export{tag}, full sequence", ms, delta(exp.call(jbatch)[0])))
+                rows.append(
+                    (f"TPU path jax.export{tag}, full sequence", ms, delta(exp.call(jbatch)[0]), floor)
+                )
 
     # Cached history: eager modules, then the two artifacts of each stack.
     encode, score = HistoryEncoder(model), CandidateScorer(model)
@@ -188,8 +206,15 @@ def _bench_batch(
         cache = encode(*history.tensors())
         got = delta(score(*cache, cand_ids))
         rows.append(("eager, cached history: history + candidates",
-                     time_it(lambda: score(*encode(*history.tensors()), cand_ids)), got))  # fmt: skip
-        rows.append(("eager, cached history: candidates only", time_it(lambda: score(*cache, cand_ids)), got))
+                     time_it(lambda: score(*encode(*history.tensors()), cand_ids)), got, nan))  # fmt: skip
+        rows.append(
+            ("eager, cached history: candidates only", time_it(lambda: score(*cache, cand_ids)), got, nan)
+        )
+    floors = {}  # precision -> (history's and candidates' products, candidates' alone)
+    for precision in ("fp32", "bf16")[: 1 + args.bf16]:
+        split = cached_history_graphs(model, optimizers, batch, precision=precision)
+        floors[precision] = (_floor_ms(split.history, split.candidates), _floor_ms(split.candidates))
+    model.eval()
     for target, precision in [(t, p) for t in args.paths for p in ("fp32", "bf16")[: 1 + args.bf16]]:
         out = work / f"cached.{B}.{target}.{precision}"
         model.train()  # the graphs come from the captured training step (recir.transforms.cached_history)
@@ -215,8 +240,8 @@ def _bench_batch(
             cand_fn = lambda cache: cand_exp.call([*jflat, *cache])[0]  # noqa: B023, E731
             sync = jax.block_until_ready
         first, repeat, got = _time_cached(hist_fn, cand_fn, sync, time_it, delta)
-        rows.append((f"{name}, cached history: history + candidates", first, got))
-        rows.append((f"{name}, cached history: candidates only", repeat, got))
+        rows.append((f"{name}, cached history: history + candidates", first, got, floors[precision][0]))
+        rows.append((f"{name}, cached history: candidates only", repeat, got, floors[precision][1]))
     return rows
 
 
@@ -275,15 +300,20 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         for B in sizes:
             rows = _bench_batch(args, B, work)
-            full = {name.split(",")[0]: ms for name, (ms, _), _ in rows if name.endswith("full sequence")}
+            full = {name.split(",")[0]: ms for name, (ms, _), _, _ in rows if name.endswith("full sequence")}
+            eager_ms = full["eager eval()"]
             print(f"\nbatch {B} ({B * args.candidates} candidates)")
             print(
                 f"{'path':<66} {'ms/batch':>9} {'users/s':>9} {'x eager':>8} {'x full':>7} {'max |dlogit|':>12}"
+                f" {'prod ms':>8} {'eager/prod':>10}"
             )
-            for name, (ms, x_eager), d in rows:
+            for name, (ms, x_eager), d, floor in rows:
                 stack = "eager eval()" if name.startswith("eager") else name.split(",")[0]
                 x_full = f"{full[stack] / ms:>7.2f}" if "cached" in name and stack in full else f"{'':>7}"
-                print(f"{name:<66} {ms:>9.2f} {B / (ms / 1000):>9.1f} {x_eager:>8.2f} {x_full} {d:>12.1e}")
+                bound = f"{floor:>8.2f} {eager_ms / floor:>10.2f}" if floor == floor else f"{'':>8} {'':>10}"
+                print(
+                    f"{name:<66} {ms:>9.2f} {B / (ms / 1000):>9.1f} {x_eager:>8.2f} {x_full} {d:>12.1e} {bound}"
+                )
 
 
 if __name__ == "__main__":
