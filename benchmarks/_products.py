@@ -34,15 +34,16 @@ def product_flops(nodes: list[Any]) -> float:
 
 
 def _onednn(target: Any) -> Any:
-    """``target`` (``mm`` or ``addmm``) as oneDNN's GEMM, what the GPU path's float32 CPU products call
-    (recir-lower-gpu's ``recir::cpu_matmul``); None for other products."""
+    """``target`` (``mm`` or ``addmm``) as the GPU path's own float32 CPU product, oneDNN's GEMM
+    (``recir::cpu_matmul``, registered by ``import recir.lower_gpu``); None for other products."""
+    import recir.lower_gpu  # noqa: F401  (registers recir::cpu_matmul)
     import torch
 
-    aten, linear = torch.ops.aten, torch.ops.mkldnn._linear_pointwise.default
+    aten, matmul = torch.ops.aten, torch.ops.recir.cpu_matmul.default
     if target is aten.mm.default:
-        return lambda a, b: linear(a, b.t(), None, "none", [], "")
+        return lambda a, b: matmul(a, b)
     if target is aten.addmm.default:
-        return lambda bias, a, b: linear(a, b.t(), bias, "none", [], "")
+        return lambda bias, a, b: matmul(a, b, bias)
     return None
 
 
@@ -70,8 +71,9 @@ def bare_ms(nodes: list[Any]) -> float:
         if key not in _BARE:
             operands = [torch.randn(tuple(v.shape), dtype=v.dtype) for v in vals]
             kernels = [node.target]
-            if all(v.dtype == torch.float32 for v in vals) and _onednn(node.target) is not None:
-                kernels.append(_onednn(node.target))
+            onednn = _onednn(node.target) if all(v.dtype == torch.float32 for v in vals) else None
+            if onednn is not None:
+                kernels.append(onednn)
             _BARE[key] = min(_median_ms(k, operands) for k in kernels)
         total += _BARE[key]
     return total
