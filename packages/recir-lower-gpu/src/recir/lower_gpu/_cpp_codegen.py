@@ -3,14 +3,19 @@ has no option for.
 
 **The sigmoid's exponential** (``cpu_sigmoid``; SiLU, SwishLayerNorm and their gradients). Inductor writes
 a vectorised ``sigmoid(x)`` as ``1 / (1 + exp(-x))`` with ``Vectorized::exp()``, a call of SLEEF's
-``expf16_u10`` (at most 1 ULP) out of line for every 16 floats. ``"fast"`` writes ``exp_u20()`` instead:
-ATen's own inline range reduction and degree-5 polynomial (at most 20 ULP, and exact zero below float's
-normal range, where the sigmoid is 1 either way). Over 2M inputs in [-100, 100] the sigmoid stayed within
-3.7e-7 relative of float64's (SLEEF: 1.5e-7), SiLU within 4.1e-7 (1.9e-7). On DLRMv3's serving model that
-kernel was 9% of the full-sequence package's time (SLEEF's ``exp``: 8.7-9.1% in two profiles; 2-core AMD
-EPYC, AVX-512, one thread); the cached-history candidates package at batch 256 bf16 ran 42.8 -> 40.5 ms
-(median of 10 alternating rounds), the full-sequence package 106.5 -> 103.2. The scalar tail loops keep
-``std::exp``.
+``expf16_u10`` (at most 1 ULP) out of line for every 16 floats. ``"fast"`` computes the exponential inline.
+Where the kernels build for AVX-512 it is :func:`_scalef_sigmoid`'s: range reduction in two parts, a degree-5
+polynomial and ``vscalefps`` (13 instructions per 16 floats against ``exp_u20``'s 19). Over 2M inputs in
+[-100, 100] the sigmoid stays within 2.6e-7 relative of float64's wherever that is a normal float (SLEEF:
+1.5e-7). Elsewhere it is ATen's ``exp_u20`` (range reduction and a degree-5 polynomial, 4.1e-7), whose
+input clamp turns NaN into a number (sigmoid(NaN) came out 0, hiding a diverged value from anything that
+looks for NaN downstream), so NaN is put back with one blend. On DLRMv3's serving
+model the SLEEF kernel was 9% of the full-sequence package's time (8.7-9.1% in two profiles; 2-core AMD
+EPYC, AVX-512, one thread); ``exp_u20`` took the cached-history candidates package at batch 256 bf16 from
+42.8 to 40.5 ms (median of 10 alternating rounds) and the full-sequence package from 106.5 to 103.2.
+``vscalefps`` took the attention's score kernel (``[512, 194, 130]`` bf16, the serving model's first layer)
+from 10.26 to 9.86 ms alone and left the full-sequence package where it was (96.0 / 96.5 ms, median of 10
+alternating rounds). The scalar tail loops keep ``std::exp``.
 
 **float32 -> bfloat16 conversion** (``cpu_bf16``). ATen's ``at::vec`` rounds in integer arithmetic (shift,
 mask, add the rounding bias, NaN blend, pack: about 14 instructions per 32 values) even where the CPU
@@ -35,7 +40,7 @@ import contextlib
 import functools
 import platform
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -74,8 +79,47 @@ def codegen_patches(sigmoid: CpuSigmoidMode, bf16: CpuBf16Mode) -> dict[str, Any
     return {_SLOT: CpuCodegen(sigmoid, bf16)}
 
 
-def _fast_sigmoid(x: str) -> str:
-    return f"decltype({x})(1)/(decltype({x})(1) + {x}.neg().exp_u20())"
+#: exp(r) on [-ln(2)/2, ln(2)/2], degree 5, fitted for the least largest relative error (7.5e-8; 2.3e-7 in
+#: float32's Horner), lowest order first.
+_EXP_POLY = ("1.0000001192092896f", "0.9999997019767761f", "0.49998894333839417f", "0.16667574644088745f",
+             "0.04191538318991661f", "0.008297654800117016f")  # fmt: skip
+
+
+def _scalef_sigmoid(x: str) -> str:
+    """``1 / (1 + exp(-x))`` per 16 floats on AVX-512F: ``-x`` clamped to [-150, 150] (NaN passes: the
+    instructions return their second operand on a NaN), ``n = round(-x log2 e)``, ``r = -x - n ln 2`` in two
+    parts (Cody and Waite, so ``r`` is exact to float's precision at any ``n``), :data:`_EXP_POLY` at ``r``,
+    scaled by ``2^n`` in one ``vscalefps`` (0 below float's range, inf above)."""
+    c = _EXP_POLY
+    horner = f"_mm512_set1_ps({c[5]})"
+    for k in range(4, -1, -1):
+        horner = f"_mm512_fmadd_ps({horner}, r_, _mm512_set1_ps({c[k]}))"
+    return (
+        f"([](auto v_) {{ static_assert(sizeof(v_) % sizeof(__m512) == 0); decltype(v_) e_; "
+        f"for (int i_ = 0; i_ < int(sizeof(v_) / sizeof(__m512)); i_++) {{ "
+        f"__m512 z_ = _mm512_max_ps(_mm512_set1_ps(-150.0f), _mm512_min_ps(_mm512_set1_ps(150.0f), "
+        f"_mm512_sub_ps(_mm512_setzero_ps(), reinterpret_cast<const __m512*>(&v_)[i_]))); "
+        f"__m512 n_ = _mm512_roundscale_ps(_mm512_mul_ps(z_, _mm512_set1_ps(1.44269504088896341f)), "
+        f"_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); "
+        f"__m512 r_ = _mm512_fnmadd_ps(n_, _mm512_set1_ps(0.693359375f), z_); "
+        f"r_ = _mm512_fnmadd_ps(n_, _mm512_set1_ps(-2.12194440e-4f), r_); "
+        f"reinterpret_cast<__m512*>(&e_)[i_] = _mm512_scalef_ps({horner}, n_); }} "
+        f"return decltype(v_)(1) / (decltype(v_)(1) + e_); }})({x})"
+    )
+
+
+def _fast_sigmoid(avx512: Callable[[], bool]) -> Callable[[Any], str]:
+    """``CppVecOverrides.sigmoid`` for ``"fast"``: :func:`_scalef_sigmoid` for float32 vectors where the
+    kernels build for AVX-512 (``avx512()``, asked at the first sigmoid of a compile); elsewhere ATen's
+    ``exp_u20``, whose clamp turns NaN into a number, with NaN put back (``isnan``, one blend)."""
+
+    def sigmoid(x: Any) -> str:
+        if getattr(x, "dtype", None) == torch.float32 and avx512():
+            return _scalef_sigmoid(x)
+        t = f"decltype({x})"
+        return f"{t}::blendv({t}(1)/({t}(1) + {x}.neg().exp_u20()), {x}, {x}.isnan())"
+
+    return sigmoid
 
 
 def _native_bf16(original: Any) -> Any:
@@ -97,6 +141,14 @@ def _native_bf16(original: Any) -> Any:
         return original(self, src, dtype, src_dtype)
 
     return get_to_dtype_expr
+
+
+def _builds_avx512() -> bool:
+    """Whether Inductor's CPU kernels build for AVX-512 (its ISA probe's pick, 512 bits wide)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return bool(isa) and isa.bit_width() == 512
 
 
 def _builds_avx512_bf16() -> bool:
@@ -127,7 +179,7 @@ def cpp_codegen(patches: Mapping[str, Any]) -> Iterator[None]:
     saved_sigmoid = CppVecOverrides.__dict__["sigmoid"]
     saved_convert = CppVecKernel.__dict__["get_to_dtype_expr"]
     if chosen.sigmoid == "fast":
-        CppVecOverrides.sigmoid = staticmethod(_fast_sigmoid)  # type: ignore[method-assign,assignment]
+        CppVecOverrides.sigmoid = staticmethod(_fast_sigmoid(functools.cache(_builds_avx512)))  # type: ignore[method-assign,assignment]
     if chosen.bf16 == "native":
         CppVecKernel.get_to_dtype_expr = _native_bf16(saved_convert)  # type: ignore[method-assign]
     try:
