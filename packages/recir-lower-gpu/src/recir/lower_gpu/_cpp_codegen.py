@@ -14,8 +14,9 @@ model the SLEEF kernel was 9% of the full-sequence package's time (8.7-9.1% in t
 EPYC, AVX-512, one thread); ``exp_u20`` took the cached-history candidates package at batch 256 bf16 from
 42.8 to 40.5 ms (median of 10 alternating rounds) and the full-sequence package from 106.5 to 103.2.
 ``vscalefps`` took the attention's score kernel (``[512, 194, 130]`` bf16, the serving model's first layer)
-from 10.26 to 9.86 ms alone and left the full-sequence package where it was (96.0 / 96.5 ms, median of 10
-alternating rounds). The scalar tail loops keep ``std::exp``.
+from 10.26 to 9.86 ms alone, the cached-history candidates package at batch 256 bf16 from 40.15 to 39.39 and
+40.28 to 39.21 ms (medians of 10 alternating rounds, two runs) and left the full-sequence package where it was
+(96.0 / 96.5 ms). The scalar tail loops keep ``std::exp``.
 
 **float32 -> bfloat16 conversion** (``cpu_bf16``). ATen's ``at::vec`` rounds in integer arithmetic (shift,
 mask, add the rounding bias, NaN blend, pack: about 14 instructions per 32 values) even where the CPU
