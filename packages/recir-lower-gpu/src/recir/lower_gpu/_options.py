@@ -103,6 +103,12 @@ class GPUOptions:
       compiler run, one load of the precompiled header, one link) instead of one per kernel
       (recir.lower_gpu._kernel_batches). The same kernel code either way. Full-size DLRMv3 at UIH 256:
       the compiler's CPU time 44 -> 14 s, the cold compile 37.7 -> 25-26 s on a 2-core CPU.
+    - ``hstu_attention``: how ``recir::hstu_attention`` and its backward run. ``"inductor"`` (the default)
+      inlines their ATen references and Inductor generates the kernels around the products (the score
+      tensors of each row block are materialised). ``"triton"`` (CUDA devices only) calls RecIR's fused
+      Triton kernels instead, which recompute the scores in registers and never hold them
+      (recir.lower_gpu._hstu_triton). They are checked against the references in Triton's interpreter on
+      the CPU; they have not yet run or been timed on a GPU, hence not the default.
     """
 
     mode: InductorMode = "default"
@@ -125,8 +131,15 @@ class GPUOptions:
     cpu_bf16: Literal["native", "aten"] = "native"
     aot_autograd: bool | None = None
     batch_cpu_kernels: bool = True
+    hstu_attention: Literal["inductor", "triton"] = "inductor"
 
     def __post_init__(self) -> None:
+        if self.hstu_attention not in ("inductor", "triton"):
+            raise ConfigError(
+                f"GPUOptions.hstu_attention: expected 'inductor' or 'triton', got {self.hstu_attention!r}. "
+                "Fix: 'inductor' generates the attention from its ATen reference; 'triton' (CUDA) runs RecIR's "
+                "fused Triton kernels."
+            )
         if self.mode not in INDUCTOR_MODES:
             raise ConfigError(
                 f"GPUOptions.mode: expected one of {INDUCTOR_MODES}, got {self.mode!r}. "

@@ -247,7 +247,8 @@ def gpu_pipeline(
        ``fbgemm`` backend and ``GPUOptions(fused_tbe=True)``, the tables FBGEMM's TBE can train are
        marked and the step is cut at the embedding boundary (``recir-embed-cut-host-split``): what
        follows compiles only the device part, and TBE runs the tables around it; ``recir::hstu_attention``
-       and its backward inlined as their ATen references (Inductor generates their kernels);
+       and its backward inlined as their ATen references (Inductor generates their kernels), or with
+       ``GPUOptions(hstu_attention="triton")`` on CUDA retargeted to RecIR's fused Triton kernels;
     3. dropout masks stored once (``GPUOptions.store_rng_masks``; by default when the step recomputes
        activations), and boolean values many kernels read,
        such as an attention mask (``GPUOptions.store_shared_masks``);
@@ -281,7 +282,16 @@ def gpu_pipeline(
     if fused:
         transforms.append(CutHostSplit())
     attention = [n for n in step.graph.nodes if n.target in _HSTU_ATTENTION]
-    if attention:
+    if attention and options.hstu_attention == "triton":
+        if device.type != "cuda":
+            raise ConfigError(
+                f"GPUOptions(hstu_attention='triton') runs Triton kernels on a CUDA device; this step lowers "
+                f"for {device}. Fix: hstu_attention='inductor' (the default) on the CPU device."
+            )
+        from ._hstu_triton import TritonAttention
+
+        transforms.append(TritonAttention())
+    elif attention:
         # Inductor generates the attention's kernels from its ATen reference (fused around the products);
         # the backward reference reads its recomputed scores through a recompute barrier
         transforms.append(InlineReferences(ops=tuple(op._schema.name for op in _HSTU_ATTENTION)))
