@@ -196,6 +196,13 @@ def test_dlrmv3_help_imports_no_torch(cmd):
             "error: --cuda_graphs is the single-process GPU path's flag (got --target tpu, --parallel none). "
             "Fix: --target gpu without --parallel, on a CUDA machine.",
         ),
+        (
+            ["train", "--target", "gpu", "--attention_kernel", "triton"],
+            "error: --attention_kernel triton runs the GPU path's attention op as RecIR's Triton kernels (got "
+            "--target gpu, --recompute none); without --recompute attention the attention is plain ATen in the "
+            "step, not the op. Fix: --target gpu --recompute attention on a CUDA machine, or drop "
+            "--attention_kernel.",
+        ),
     ],
 )
 def test_dlrmv3_bad_numeric_flags_are_one_error_line(argv, message, capsys):
@@ -287,3 +294,12 @@ def test_dlrmv3_cuda_graphs_flag_reaches_the_gpu_lowering():
 
     assert gpu_options(TrainOptions(target="gpu")) is None
     assert gpu_options(TrainOptions(target="gpu", cuda_graphs=True)) == GPUOptions(cuda_graphs=True)
+
+
+def test_dlrmv3_attention_kernel_flag_reaches_the_gpu_lowering():
+    from recir.dlrmv3._train import gpu_options
+    from recir.lower_gpu import GPUOptions
+
+    opts = TrainOptions(target="gpu", recompute="attention", attention_kernel="triton")
+    assert gpu_options(opts) == GPUOptions(hstu_attention="triton")
+    assert gpu_options(TrainOptions(target="gpu", recompute="attention")) is None  # inductor: the default

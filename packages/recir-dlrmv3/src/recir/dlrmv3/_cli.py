@@ -121,6 +121,15 @@ def _add_model_and_data(p: argparse.ArgumentParser, defaults: dict[str, object])
         "layers on the CPU device in one process without --recompute layers|auto, else whole",
     )
     c.add_argument(
+        "--attention_kernel",
+        choices=("inductor", "triton"),
+        default="inductor",
+        help="--target gpu --recompute attention on CUDA: the attention op's kernels; 'inductor' (default) "
+        "generates them from the op's ATen reference, 'triton' runs RecIR's fused Triton kernels, which never "
+        "hold the scores (recir.lower_gpu.GPUOptions(hstu_attention='triton'); checked in Triton's "
+        "interpreter, not yet timed on a GPU)",
+    )
+    c.add_argument(
         "--precision",
         choices=PRECISIONS,
         default=d["precision"],

@@ -55,6 +55,9 @@ class TrainOptions:
     # GPU path: "repeated" compiles each repeated layer's code once (recir.lower_gpu GPUOptions.regions),
     # "whole" the step as one graph, "auto" repeated where it was measured to pay (resolve_compile_regions)
     compile_regions: str = "auto"
+    # GPU path on CUDA with --recompute attention: the attention op's kernels, "inductor" (generated from
+    # its ATen reference) or "triton" (RecIR's fused kernels; recir.lower_gpu GPUOptions.hstu_attention)
+    attention_kernel: str = "inductor"
     log_every: int = 50
     seed: int = 0
     eval_every: int = 0
@@ -240,6 +243,17 @@ class TrainOptions:
             raise config_error(
                 f"--compile_regions {self.compile_regions} is the GPU path's flag (got --target {self.target}). "
                 "Fix: --target gpu, or drop the flag."
+            )
+        if self.attention_kernel not in ("inductor", "triton"):
+            raise config_error(
+                f"unknown --attention_kernel {self.attention_kernel!r}; expected one of inductor, triton"
+            )
+        if self.attention_kernel == "triton" and (self.target != "gpu" or self.recompute != "attention"):
+            raise config_error(
+                f"--attention_kernel triton runs the GPU path's attention op as RecIR's Triton kernels (got "
+                f"--target {self.target}, --recompute {self.recompute}); without --recompute attention the "
+                "attention is plain ATen in the step, not the op. Fix: --target gpu --recompute attention on a "
+                "CUDA machine, or drop --attention_kernel."
             )
         if self.parallel not in PARALLEL:
             raise config_error(f"unknown --parallel {self.parallel!r}; expected one of {', '.join(PARALLEL)}")

@@ -75,13 +75,18 @@ def resolve_compile_regions(opts: TrainOptions) -> str:
 
 
 def gpu_options(opts: TrainOptions) -> object:
-    """recir.lower_gpu.GPUOptions for --cuda_graphs and --compile_regions (None: the lowering's defaults)."""
+    """recir.lower_gpu.GPUOptions for --cuda_graphs, --compile_regions and --attention_kernel (None: the
+    lowering's defaults)."""
     regions = resolve_compile_regions(opts)
-    if not opts.cuda_graphs and regions == "whole":
+    if not opts.cuda_graphs and regions == "whole" and opts.attention_kernel == "inductor":
         return None
     from recir.lower_gpu import GPUOptions
 
-    return GPUOptions(cuda_graphs=opts.cuda_graphs or None, regions=regions)  # type: ignore[arg-type]
+    return GPUOptions(
+        cuda_graphs=opts.cuda_graphs or None,
+        regions=regions,  # type: ignore[arg-type]
+        hstu_attention=opts.attention_kernel,  # type: ignore[arg-type]
+    )
 
 
 def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
