@@ -103,7 +103,7 @@ def hstu_attention_triton(
     keep, keys = _keys(k, valid)
     q_, v_ = q.contiguous(), v.contiguous()
     cross = torch.empty_like(q_)
-    grid = (triton.cdiv(N, consts["BLOCK_M"]), B * H)
+    grid = (B * H, triton.cdiv(N, consts["BLOCK_M"]))  # B * H first: a grid's other axes stop at 65535
     forward[grid](q_, keys, v_, cross, s, s_stride, H, N, prefix, A, float(alpha), **consts)
     own = F.silu(alpha * (q * k).sum(dim=-1, keepdim=True)) / scale.reshape(-1, 1, 1, 1).to(q.dtype)
     return ((cross + own * v) * keep).contiguous()
@@ -124,10 +124,10 @@ def hstu_attention_backward_triton(
     q_, v_ = q.contiguous(), v.contiguous()
     dq = torch.empty_like(q_)
     dk, dv = torch.zeros_like(q_), torch.zeros_like(q_)  # keys past the prefix: no history part
-    backward_q[(triton.cdiv(N, consts["BLOCK_M"]), B * H)](
+    backward_q[(B * H, triton.cdiv(N, consts["BLOCK_M"]))](
         q_, keys, v_, g, dq, s, s_stride, H, N, prefix, A, float(alpha), **consts
     )
-    backward_kv[(triton.cdiv(prefix, consts["BLOCK_N"]), B * H)](
+    backward_kv[(B * H, triton.cdiv(prefix, consts["BLOCK_N"]))](
         q_, keys, v_, g, dk, dv, s, s_stride, H, N, prefix, A, float(alpha), **consts
     )
     sc = scale.reshape(-1, 1, 1, 1).to(q.dtype)

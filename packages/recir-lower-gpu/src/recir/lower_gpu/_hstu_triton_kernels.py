@@ -20,7 +20,7 @@ def _scores(q, k, s_alpha, inv_scale, offs_m, offs_n, prefix, IEEE: tl.constexpr
 @triton.jit
 def forward(Q, K, V, Out, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    bh, pid_m = tl.program_id(0), tl.program_id(1)  # (sample, head) on the axis of 2^31 programs
     base = bh.to(tl.int64) * N * A
     inv_scale = 1.0 / tl.load(S + (bh // H) * s_stride).to(tl.float32)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -44,7 +44,7 @@ def forward(Q, K, V, Out, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix:
 @triton.jit
 def backward_q(Q, K, V, G, DQ, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    bh, pid_m = tl.program_id(0), tl.program_id(1)  # (sample, head) on the axis of 2^31 programs
     base = bh.to(tl.int64) * N * A
     inv_scale = 1.0 / tl.load(S + (bh // H) * s_stride).to(tl.float32)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,7 +74,7 @@ def backward_q(Q, K, V, G, DQ, S, s_stride, H: tl.constexpr, N: tl.constexpr, pr
 @triton.jit
 def backward_kv(Q, K, V, G, DK, DV, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    bh, pid_n = tl.program_id(0), tl.program_id(1)  # (sample, head) on the axis of 2^31 programs
     base = bh.to(tl.int64) * N * A
     inv_scale = 1.0 / tl.load(S + (bh // H) * s_stride).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
