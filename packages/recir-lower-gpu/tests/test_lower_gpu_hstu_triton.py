@@ -155,7 +155,7 @@ def test_kernels_compile_for_cuda_without_a_gpu(arch, dtype, ptr, tmp_path, monk
     for name, n_pointers in pointers.items():
         fn = getattr(kernels, name)
         signature = {a: ptr for a in fn.arg_names[:n_pointers]}
-        signature.update(S=ptr, s_stride="i32", alpha="fp32", **{c: "constexpr" for c in consts})
+        signature.update(S=ptr, s_stride="i32", L="*i32", alpha="fp32", **{c: "constexpr" for c in consts})
         source = ASTSource(
             fn=fn, signature=signature, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}
         )

@@ -5,8 +5,10 @@ Each program takes one block of query rows (forward, ``dq``) or of history keys 
 (sample, head), walks the other side block by block, recomputes ``silu(alpha q.k) / scale`` with the
 target-aware causal mask in registers (key ``j`` is seen by query ``i`` iff ``j < i`` and ``j`` is in
 the history, ``j < prefix``) and accumulates the products in float32. Memory is ``O(B H N A)`` at any
-sequence length, where the ATen reference holds ``[B, H, rows, keys]`` per row block. Blocks past a
-query block's last causal key are never loaded (about half the dense work on the history).
+sequence length, where the ATen reference holds ``[B, H, rows, keys]`` per row block. Jagged: key blocks
+past a query block's last row (about half the dense work on the history) or past the sample's valid
+history (``valid`` is a prefix there, the op's contract) are skipped, and so are query blocks made only of
+padded history rows.
 
 The kernels compute the history part (``cross``) only, on keys already zeroed at padded slots (as the
 reference does: SiLU(0) = 0); each token's own score, the padded rows' zeros and the gradient's
@@ -85,10 +87,13 @@ def _launch_args(
     return s, (1 if s.numel() == B and B > 1 else 0), kernel_constants(q.dtype, A)
 
 
-def _keys(k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """(keep [B, 1, N, 1] in k's dtype, k with its padded slots zeroed, contiguous)."""
+def _keys(k: Tensor, valid: Tensor, prefix: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(keep [B, 1, N, 1] in k's dtype, k with its padded slots zeroed, contiguous; each sample's valid
+    history slots, int32 [B]: the kernels skip the blocks past them, which ``valid`` being a prefix of
+    the history, the op's contract, makes exact)."""
     keep = valid[:, None, :, None].to(k.dtype)
-    return keep, (k * keep).contiguous()
+    history = valid[:, :prefix].sum(dim=1, dtype=torch.int32).contiguous()
+    return keep, (k * keep).contiguous(), history
 
 
 def hstu_attention_triton(
@@ -100,11 +105,11 @@ def hstu_attention_triton(
     forward, _, _ = _kernels()
     s, s_stride, consts = _launch_args(q, k, v, scale, prefix)
     B, H, N, A = q.shape
-    keep, keys = _keys(k, valid)
+    keep, keys, history = _keys(k, valid, prefix)
     q_, v_ = q.contiguous(), v.contiguous()
     cross = torch.empty_like(q_)
     grid = (B * H, triton.cdiv(N, consts["BLOCK_M"]))  # B * H first: a grid's other axes stop at 65535
-    forward[grid](q_, keys, v_, cross, s, s_stride, H, N, prefix, A, float(alpha), **consts)
+    forward[grid](q_, keys, v_, cross, s, s_stride, history, H, N, prefix, A, float(alpha), **consts)
     own = F.silu(alpha * (q * k).sum(dim=-1, keepdim=True)) / scale.reshape(-1, 1, 1, 1).to(q.dtype)
     return ((cross + own * v) * keep).contiguous()
 
@@ -119,16 +124,16 @@ def hstu_attention_backward_triton(
     _, backward_q, backward_kv = _kernels()
     s, s_stride, consts = _launch_args(q, k, v, scale, prefix)
     B, H, N, A = q.shape
-    keep, keys = _keys(k, valid)
+    keep, keys, history = _keys(k, valid, prefix)
     g = (grad * keep).contiguous()
     q_, v_ = q.contiguous(), v.contiguous()
     dq = torch.empty_like(q_)
     dk, dv = torch.zeros_like(q_), torch.zeros_like(q_)  # keys past the prefix: no history part
     backward_q[(B * H, triton.cdiv(N, consts["BLOCK_M"]))](
-        q_, keys, v_, g, dq, s, s_stride, H, N, prefix, A, float(alpha), **consts
+        q_, keys, v_, g, dq, s, s_stride, history, H, N, prefix, A, float(alpha), **consts
     )
     backward_kv[(B * H, triton.cdiv(prefix, consts["BLOCK_N"]))](
-        q_, keys, v_, g, dk, dv, s, s_stride, H, N, prefix, A, float(alpha), **consts
+        q_, keys, v_, g, dk, dv, s, s_stride, history, H, N, prefix, A, float(alpha), **consts
     )
     sc = scale.reshape(-1, 1, 1, 1).to(q.dtype)
     t = alpha * (q * k).sum(dim=-1, keepdim=True)  # each token's own score

@@ -18,7 +18,7 @@ def _scores(q, k, s_alpha, inv_scale, offs_m, offs_n, prefix, IEEE: tl.constexpr
 
 
 @triton.jit
-def forward(Q, K, V, Out, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
+def forward(Q, K, V, Out, S, s_stride, L, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     bh, pid_m = tl.program_id(0), tl.program_id(1)  # (sample, head) on the axis of 2^31 programs
     base = bh.to(tl.int64) * N * A
@@ -28,10 +28,12 @@ def forward(Q, K, V, Out, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix:
     rows = (offs_m[:, None] < N) & (offs_a[None, :] < A)
     q = tl.load(Q + base + offs_m[:, None] * A + offs_a[None, :], mask=rows, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
-    # every history block, those at or past the query block's last row skipped (a loop bound
-    # read from program_id is what Triton's interpreter cannot take)
+    hist = tl.load(L + bh // H)  # the sample's valid history slots (valid is a prefix there)
+    live = (pid_m * BLOCK_M < hist) | ((pid_m + 1) * BLOCK_M > prefix)  # not only padded history rows
+    # every history block, those at or past the query block's last row or the sample's history skipped
+    # (a loop bound read from program_id is what Triton's interpreter cannot take)
     for n0 in range(0, prefix, BLOCK_N):
-        if n0 < (pid_m + 1) * BLOCK_M:
+        if live & (n0 < (pid_m + 1) * BLOCK_M) & (n0 < hist):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             keys = (offs_n[:, None] < prefix) & (offs_a[None, :] < A)
             k = tl.load(K + base + offs_n[:, None] * A + offs_a[None, :], mask=keys, other=0.0)
@@ -42,7 +44,7 @@ def forward(Q, K, V, Out, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix:
 
 
 @triton.jit
-def backward_q(Q, K, V, G, DQ, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
+def backward_q(Q, K, V, G, DQ, S, s_stride, L, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     bh, pid_m = tl.program_id(0), tl.program_id(1)  # (sample, head) on the axis of 2^31 programs
     base = bh.to(tl.int64) * N * A
@@ -53,10 +55,12 @@ def backward_q(Q, K, V, G, DQ, S, s_stride, H: tl.constexpr, N: tl.constexpr, pr
     q = tl.load(Q + base + offs_m[:, None] * A + offs_a[None, :], mask=rows, other=0.0)
     g = tl.load(G + base + offs_m[:, None] * A + offs_a[None, :], mask=rows, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
-    # every history block, those at or past the query block's last row skipped (a loop bound
-    # read from program_id is what Triton's interpreter cannot take)
+    hist = tl.load(L + bh // H)  # the sample's valid history slots (valid is a prefix there)
+    live = (pid_m * BLOCK_M < hist) | ((pid_m + 1) * BLOCK_M > prefix)  # not only padded history rows
+    # every history block, those at or past the query block's last row or the sample's history skipped
+    # (a loop bound read from program_id is what Triton's interpreter cannot take)
     for n0 in range(0, prefix, BLOCK_N):
-        if n0 < (pid_m + 1) * BLOCK_M:
+        if live & (n0 < (pid_m + 1) * BLOCK_M) & (n0 < hist):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             keys = (offs_n[:, None] < prefix) & (offs_a[None, :] < A)
             k = tl.load(K + base + offs_n[:, None] * A + offs_a[None, :], mask=keys, other=0.0)
@@ -72,7 +76,7 @@ def backward_q(Q, K, V, G, DQ, S, s_stride, H: tl.constexpr, N: tl.constexpr, pr
 
 
 @triton.jit
-def backward_kv(Q, K, V, G, DK, DV, S, s_stride, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
+def backward_kv(Q, K, V, G, DK, DV, S, s_stride, L, H: tl.constexpr, N: tl.constexpr, prefix: tl.constexpr, A: tl.constexpr, alpha,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     bh, pid_n = tl.program_id(0), tl.program_id(1)  # (sample, head) on the axis of 2^31 programs
     base = bh.to(tl.int64) * N * A
@@ -84,9 +88,12 @@ def backward_kv(Q, K, V, G, DK, DV, S, s_stride, H: tl.constexpr, N: tl.constexp
     v = tl.load(V + base + offs_n[:, None] * A + offs_a[None, :], mask=keys, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
-    # only queries after the block's first key see it (j < i)
+    hist = tl.load(L + bh // H)  # the sample's valid history slots (valid is a prefix there)
+    # only queries after the block's first key see it (j < i), none if the block is past the history,
+    # none from a block of padded history rows
     for m0 in range(0, N, BLOCK_M):
-        if m0 + BLOCK_M > pid_n * BLOCK_N + 1:  # some row of the block is after the first key
+        live = (m0 < hist) | (m0 + BLOCK_M > prefix)
+        if live & (m0 + BLOCK_M > pid_n * BLOCK_N + 1) & (pid_n * BLOCK_N < hist):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             rows = (offs_m[:, None] < N) & (offs_a[None, :] < A)
             q = tl.load(Q + base + offs_m[:, None] * A + offs_a[None, :], mask=rows, other=0.0)
