@@ -18,6 +18,15 @@ def _scores(q, k, s_alpha, inv_scale, offs_m, offs_n, prefix, IEEE: tl.constexpr
 
 
 @triton.jit
+def _score_grads(g, v, s, seen, inv_scale, IEEE: tl.constexpr):
+    """The gradient with respect to the tile's scores ``s = alpha q k^T``: ``(g v^T) silu'(s) / scale`` where
+    the mask lets a key be seen, else 0 (``alpha`` times it, times k or q, is the gradient of q or k)."""
+    sig = tl.sigmoid(s)
+    dw = tl.dot(g, tl.trans(v), input_precision="ieee" if IEEE else None)
+    return tl.where(seen, dw * sig * (1.0 + s * (1.0 - sig)) * inv_scale, 0.0)
+
+
+@triton.jit
 def _tile(P, base, offs, limit, offs_a, A: tl.constexpr):
     """The ``[len(offs), BLOCK_A]`` rows ``offs`` of one (sample, head)'s ``[N, A]`` slab at ``P + base``,
     zeros at rows ``>= limit`` and columns ``>= A``."""
@@ -72,9 +81,7 @@ def backward_q(Q, K, V, G, DQ, S, s_stride, L, H: tl.constexpr, N: tl.constexpr,
             offs_n = n0 + tl.arange(0, BLOCK_N)
             k, v = _tile(K, base, offs_n, prefix, offs_a, A), _tile(V, base, offs_n, prefix, offs_a, A)
             _, s, seen = _scores(q, k, alpha, inv_scale, offs_m, offs_n, prefix, IEEE)
-            sig = tl.sigmoid(s)
-            dw = tl.dot(g, tl.trans(v), input_precision="ieee" if IEEE else None)
-            ds = tl.where(seen, dw * sig * (1.0 + s * (1.0 - sig)) * inv_scale, 0.0)
+            ds = _score_grads(g, v, s, seen, inv_scale, IEEE)
             dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee" if IEEE else None)
     _put(DQ, base, offs_m, N, offs_a, A, alpha * dq)
 
@@ -96,10 +103,8 @@ def backward_kv(Q, K, V, G, DK, DV, S, s_stride, L, H: tl.constexpr, N: tl.const
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q, g = _tile(Q, base, offs_m, N, offs_a, A), _tile(G, base, offs_m, N, offs_a, A)
             w, s, seen = _scores(q, k, alpha, inv_scale, offs_m, offs_n, prefix, IEEE)
-            sig = tl.sigmoid(s)
             dv += tl.dot(tl.trans(w).to(g.dtype), g, input_precision="ieee" if IEEE else None)
-            dw = tl.dot(g, tl.trans(v), input_precision="ieee" if IEEE else None)
-            ds = tl.where(seen, dw * sig * (1.0 + s * (1.0 - sig)) * inv_scale, 0.0)
+            ds = _score_grads(g, v, s, seen, inv_scale, IEEE)
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee" if IEEE else None)
     _put(DK, base, offs_n, prefix, offs_a, A, alpha * dk)
     _put(DV, base, offs_n, prefix, offs_a, A, dv)
