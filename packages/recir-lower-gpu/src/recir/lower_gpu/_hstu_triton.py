@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from recir.transforms import (
     HSTU_ATTENTION_OVERRIDE,
+    OVERRIDE_KEY,
     StepGraph,
     Transform,
     TransformResult,
@@ -223,6 +224,7 @@ class TritonAttention(Transform):
             target = _RETARGET.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
             if target is not None:
                 node.target = target
+                node.meta[OVERRIDE_KEY] = HSTU_ATTENTION_OVERRIDE
                 retargeted += 1
         if retargeted:
             step.graph_module.recompile()
