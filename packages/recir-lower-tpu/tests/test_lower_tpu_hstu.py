@@ -1,5 +1,6 @@
 """``recir::hstu_attention`` on the TPU path: the blocked JAX lowerings against the ATen references, and
-``TPUOptions(attention_kernel="pallas")`` (the Pallas forward, interpreted on the CPU) in a compiled step."""
+``TPUOptions(attention_kernel="pallas")`` (the Pallas forward and backward, interpreted on the CPU) in a compiled
+step."""
 
 from __future__ import annotations
 
@@ -98,6 +99,9 @@ def test_lower_tpu_hstu_attention_step_matches_eager(kernel):
     state, compiled = _trained(kernel)
     report = compiled.pipeline.report()
     assert ("recir-tpu-pallas-attention" in report) == (kernel == "pallas")
+    record = [r for r in compiled.pipeline.records if r.name == "recir-tpu-pallas-attention"]
+    # the forward and its backward both retargeted to the Pallas kernels
+    assert [r.stats.get("kernels") for r in record] == ([2] if kernel == "pallas" else []), record
     for name, value in eager.items():  # parameters and Adam's moments
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=2e-5, msg=name)
 

@@ -92,8 +92,8 @@ class TPUOptions:
     a row lookup or update stops paying a TLB miss per id. Default 256 MiB; ``None``: never.
     ``attention_kernel``: how ``recir::hstu_attention`` (HSTU's target-aware attention) runs: ``blocked``
     (a blocked JAX formulation, query row blocks against only the keys they see) or ``pallas`` (its
-    forward as a Pallas kernel that skips padded history keys; Pallas's interpreter off a TPU, so only
-    for checking it there; the backward stays blocked).
+    forward and its backward as Pallas kernels that skip padded history keys and padded query rows;
+    Pallas's interpreter off a TPU, so only for checking them there).
     ``matmul_precision``: how a TPU computes float32 matrix products and convolutions (JAX's ``default``: one
     bf16 pass, ``high``: three, ``highest``: float32; XLA on CPUs computes float32 either way). ``None`` (the
     default) follows torch's own knob at compile time, ``torch.get_float32_matmul_precision()``: ``highest``

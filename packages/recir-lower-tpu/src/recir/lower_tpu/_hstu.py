@@ -1,6 +1,7 @@
 """JAX lowerings of ``recir::hstu_attention`` and its backward: a blocked formulation (the default), and
-``recir::hstu_attention_pallas``, the forward as the Pallas kernel of ``_hstu_pallas.py`` (jagged: it
-never multiplies padded history keys), which ``TPUOptions(attention_kernel="pallas")`` retargets to.
+``recir::hstu_attention_pallas`` / ``recir::hstu_attention_backward_pallas``, the forward and the backward as
+the Pallas kernels of ``_hstu_pallas.py`` and ``_hstu_pallas_backward.py`` (jagged: they never multiply
+padded history keys), which ``TPUOptions(attention_kernel="pallas")`` retargets to.
 
 Blocked: the query rows in the op's row blocks, each against only the prefix keys it can see (no
 ``[B, N, N]`` mask, no products over the candidates' keys); the backward recomputes each block's scores
@@ -21,6 +22,7 @@ from recir.transforms import (
     StepGraph,
     Transform,
     TransformResult,
+    hstu_attention_backward_reference,
     hstu_attention_reference,
     register_override_op,
     register_transform,
@@ -131,23 +133,68 @@ def _hstu_attention_pallas_lowering(q, k, v, valid, scale, prefix: int, alpha: f
     return kernel(q, k, v, valid, scale, prefix, alpha)
 
 
+# -- the Pallas backward ---------------------------------------------------------------------------
+@torch.library.custom_op("recir::hstu_attention_backward_pallas", mutates_args=())
+def hstu_attention_backward_pallas(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    valid: Tensor,
+    scale: Tensor,
+    prefix: int,
+    alpha: float,
+    bounds: list[int],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``recir::hstu_attention_backward``, run by the Pallas kernels of ``_hstu_pallas_backward.py`` on the TPU
+    path (its ATen reference anywhere else). Same arguments and outputs."""
+    dq, dk, dv = hstu_attention_backward_reference(grad, q, k, v, valid, scale, prefix, alpha, bounds)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@hstu_attention_backward_pallas.register_fake
+def _hstu_attention_backward_pallas_fake(grad, q, k, v, valid, scale, prefix, alpha, bounds):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+register_override_op("recir::hstu_attention_backward_pallas", HSTU_ATTENTION_OVERRIDE)
+
+
+@register_jax_lowering("recir::hstu_attention_backward_pallas")
+def _hstu_attention_backward_pallas_lowering(
+    grad, q, k, v, valid, scale, prefix: int, alpha: float, bounds: Sequence[int]
+):
+    from ._hstu_pallas_backward import hstu_attention_backward_pallas as kernels
+
+    if jnp.ndim(scale) != 0:  # a per-sample normaliser: the kernels take one scalar
+        return hstu_attention_backward_blocked(grad, q, k, v, valid, scale, prefix, alpha, bounds)
+    return kernels(grad, q, k, v, valid, scale, prefix, alpha)
+
+
+_PALLAS = {
+    torch.ops.recir.hstu_attention.default: torch.ops.recir.hstu_attention_pallas.default,
+    torch.ops.recir.hstu_attention_backward.default: torch.ops.recir.hstu_attention_backward_pallas.default,
+}
+
+
 @register_transform
 class PallasAttention(Transform):
-    """Each ``recir::hstu_attention`` forward becomes ``recir::hstu_attention_pallas`` (the Pallas
-    kernel; ``TPUOptions(attention_kernel="pallas")``); its backward stays the blocked formulation::
+    """Each ``recir::hstu_attention`` and its backward become ``recir::hstu_attention_pallas`` and
+    ``recir::hstu_attention_backward_pallas`` (the Pallas kernels; ``TPUOptions(attention_kernel="pallas")``)::
 
         %a = recir.hstu_attention(%q, %k, %v, %valid, %scale, 66, 0.088, [0, 76])           # before
         %a = recir.hstu_attention_pallas(%q, %k, %v, %valid, %scale, 66, 0.088, [0, 76])    # after
     """
 
     name = "recir-tpu-pallas-attention"
-    summary = "run recir::hstu_attention's forward as the Pallas kernel"
+    summary = "run recir::hstu_attention and its backward as the Pallas kernels"
 
     def run(self, step: StepGraph) -> TransformResult:
         n = 0
         for node in step.graph.nodes:
-            if node.target is torch.ops.recir.hstu_attention.default:
-                node.target = torch.ops.recir.hstu_attention_pallas.default
+            target = _PALLAS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+            if target is not None:
+                node.target = target
                 node.meta[OVERRIDE_KEY] = HSTU_ATTENTION_OVERRIDE
                 n += 1
         if n:

@@ -31,8 +31,8 @@ def tpu_pipeline(
        run-time id checks leave the graph (XLA cannot raise on data): the host runs them before each step;
     2. ``cpu``: the tables whose update is row-wise are marked for the host and the step is cut at the
        embedding boundary (``recir-embed-cut-host-split``): only the device part is compiled;
-    3. ``attention_kernel="pallas"``: ``recir::hstu_attention``'s forward as the Pallas kernel (the
-       blocked JAX formulation otherwise: a registered lowering, nothing to rewrite);
+    3. ``attention_kernel="pallas"``: ``recir::hstu_attention`` and its backward as the Pallas kernels
+       (the blocked JAX formulation otherwise: a registered lowering, nothing to rewrite);
     4. ``split_concat_products``: each product of a concatenation that nothing else reads as a sum of its
        parts' products (``recir-split-concat-products``; XLA on CPUs copies a concatenation).
     """
