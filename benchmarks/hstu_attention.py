@@ -23,6 +23,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128, help="head dim")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--fill", type=float, default=0.75, help="mean fraction of each history that is real")
+    p.add_argument("--block_q", type=int, default=None, help="the Pallas kernels' query block (default 128)")
+    p.add_argument("--block_k", type=int, default=None, help="the Pallas kernels' key block (default 128)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=10)
     args = p.parse_args()
@@ -59,11 +61,14 @@ def main() -> None:
             g, q, k, v, valid, s.astype(q.dtype), prefix, alpha, bounds
         )
 
+    blocks = {"block_q": args.block_q, "block_k": args.block_k}
+
     def pallas_fwd(q, k, v, s):
-        return hstu_attention_pallas(q, k, v, valid, s, prefix, alpha)
+        return hstu_attention_pallas(q, k, v, valid, s, prefix, alpha, **blocks)
 
     def pallas_both(q, k, v, g, s):
-        return pallas_fwd(q, k, v, s), hstu_attention_backward_pallas(g, q, k, v, valid, s, prefix, alpha)
+        grads = hstu_attention_backward_pallas(g, q, k, v, valid, s, prefix, alpha, **blocks)
+        return pallas_fwd(q, k, v, s), grads
 
     def mixed_both(q, k, v, g, s):  # the Pallas forward with the blocked backward (session 47's "pallas")
         return pallas_fwd(q, k, v, s), blocked_both(q, k, v, g, s)[1]
@@ -82,7 +87,8 @@ def main() -> None:
 
     print(
         f"backend {jax.default_backend()}, B {B}, H {H}, N {n} (prefix {prefix}), A {A}, {args.dtype}, "
-        f"history fill {hist.mean() / prefix:.2f}; ms per call, median of {args.rounds} x {args.calls}"
+        f"history fill {hist.mean() / prefix:.2f}; Pallas blocks q {args.block_q or 128}, k {args.block_k or 128}; "
+        f"ms per call, median of {args.rounds} x {args.calls}"
     )
     base_f = timed(blocked_fwd, q, k, v, scale)
     base_b = timed(blocked_both, q, k, v, g, scale)
