@@ -70,7 +70,6 @@ def _launch_args(
 ) -> tuple[Tensor, int, dict[str, Any]]:
     """(scale as a tensor on q's device, its per-sample stride, the kernels' block constants); ValueError
     naming the argument when shapes or ``prefix`` do not fit."""
-
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"recir::hstu_attention (triton): q, k, v must share one [B, H, N, A] shape, got "
