@@ -84,9 +84,9 @@ class GPUOptions:
       miss per id. Default 256 MiB; ``None``: never. Same values either way; setup pays about 0.25 s per
       100 MiB advised.
     - ``cpu_sigmoid``: on the CPU device, the exponential in Inductor's vectorised sigmoid (SiLU,
-      SwishLayerNorm and their gradients): ``"fast"`` (the default: inline, ``vscalefps`` on AVX-512 and ATen's
-      ``exp_u20`` elsewhere; sigmoid within 2.6e-7 / 4.1e-7 relative of float64's, NaN kept) or ``"sleef"`` (Inductor's own: a SLEEF call per 16 floats, 1.5e-7);
-      recir.lower_gpu._cpp_codegen.
+      SwishLayerNorm and their gradients): ``"fast"`` (the default: inline, ``vscalefps`` on AVX-512 and
+      ATen's ``exp_u20`` elsewhere; sigmoid within 2.6e-7 / 4.1e-7 relative of float64's, NaN kept) or
+      ``"sleef"`` (Inductor's own: a SLEEF call per 16 floats, 1.5e-7); recir.lower_gpu._cpp_codegen.
     - ``cpu_bf16``: on the CPU device, how Inductor's vectorised kernels round float32 to bfloat16:
       ``"native"`` (the default: avx512_bf16's ``vcvtne2ps2bf16``, one instruction per 32 values, where
       Inductor builds for AVX-512 with that extension, else as ``"aten"``) or ``"aten"`` (ATen's integer
