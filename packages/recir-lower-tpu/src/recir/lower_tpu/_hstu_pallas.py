@@ -125,6 +125,24 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, prefix: i
         )
 
 
+def _jagged(
+    valid: jax.Array, scale: Any, prefix: int, block_q: int | None, block_k: int | None, *xs: jax.Array
+) -> tuple[tuple[int, int, int], tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """What the kernels (forward and backward) share: ((block_q, block_k, N padded to both blocks), (each
+    sample's valid history slots ``[B]``, one past its last valid row ``[B]``, the padded rows' validity
+    ``[B, Np, 1]`` int32, ``[1 / scale]``), ``xs`` ``[B, H, N, A]`` padded to ``Np`` rows)."""
+    n = xs[0].shape[2]
+    bq, bk = _block("block_q", block_q, n), _block("block_k", block_k, n)
+    pad = (-n) % math.lcm(bq, bk)
+    valid = valid.astype(bool)
+    hist = jnp.sum(valid[:, :prefix], axis=1, dtype=jnp.int32)
+    rows_end = jnp.max(jnp.where(valid, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=1)
+    row_ok = jnp.pad(valid, ((0, 0), (0, pad))).astype(jnp.int32)[:, :, None]
+    inv_scale = jnp.reshape(1.0 / jnp.asarray(scale, jnp.float32), (1,))
+    padded = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in xs)
+    return (bq, bk, n + pad), (hist, rows_end, row_ok, inv_scale), padded
+
+
 def hstu_attention_pallas(
     q: jax.Array,
     k: jax.Array,
@@ -147,16 +165,9 @@ def hstu_attention_pallas(
     """
     _check(q, k, v, valid, prefix)
     batch, heads, n, dim = q.shape
-    bq, bk = _block("block_q", block_q, n), _block("block_k", block_k, n)
-    step = math.lcm(bq, bk)
-    pad = (-n) % step
-    valid = valid.astype(bool)
-    hist = jnp.sum(valid[:, :prefix], axis=1, dtype=jnp.int32)
-    rows_end = jnp.max(jnp.where(valid, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=1)
-    q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
-    row_ok = jnp.pad(valid, ((0, 0), (0, pad))).astype(jnp.int32)[:, :, None]
-    inv_scale = jnp.reshape(1.0 / jnp.asarray(scale, jnp.float32), (1,))
-    n_pad = n + pad
+    (bq, bk, n_pad), (hist, rows_end, row_ok, inv_scale), (q, k, v) = _jagged(
+        valid, scale, prefix, block_q, block_k, q, k, v
+    )
 
     q_spec = pl.BlockSpec((None, None, bq, dim), lambda b, h, i, *_: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, n_pad, dim), lambda b, h, i, *_: (b, h, 0, 0))

@@ -12,7 +12,6 @@ float32 tiles and float32 accumulators.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hstu_pallas import _block, _check, _kernel_precision, _num_key_blocks
+from ._hstu_pallas import _check, _jagged, _kernel_precision, _num_key_blocks
 from ._ring_kernel import Interpret, _interpret
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -142,18 +141,12 @@ def hstu_attention_backward_pallas(
     ``grad``; the same arguments and blocks as the forward. Rows that are not valid get zero gradients."""
     _check(q, k, v, valid, prefix)
     batch, heads, n, dim = q.shape
-    bq, bk = _block("block_q", block_q, n), _block("block_k", block_k, n)
-    pad = (-n) % math.lcm(bq, bk)
-    valid = valid.astype(bool)
-    hist = jnp.sum(valid[:, :prefix], axis=1, dtype=jnp.int32)
-    rows_end = jnp.max(jnp.where(valid, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=1)
     # padded slots may hold anything (NaN included): zeros there, so no product of theirs reaches a valid row
-    keep = valid[:, None, :, None]
-    q, k, v, g = (jnp.where(keep, x, 0).astype(q.dtype) for x in (q, k, v, grad))
-    q, k, v, g = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v, g))
-    row_ok = jnp.pad(valid, ((0, 0), (0, pad))).astype(jnp.int32)[:, :, None]
-    inv_scale = jnp.reshape(1.0 / jnp.asarray(scale, jnp.float32), (1,))
-    n_pad = n + pad
+    keep = valid.astype(bool)[:, None, :, None]
+    zeroed = (jnp.where(keep, x, 0).astype(q.dtype) for x in (q, k, v, grad))
+    (bq, bk, n_pad), (hist, rows_end, row_ok, inv_scale), (q, k, v, g) = _jagged(
+        valid, scale, prefix, block_q, block_k, *zeroed
+    )
     precision = _kernel_precision(q.dtype)
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     whole = pl.BlockSpec((None, None, n_pad, dim), lambda b, h, i, *_: (b, h, 0, 0))
